@@ -1,0 +1,71 @@
+"""The attention backend contract and the per-step metadata every backend reads.
+
+KV cache layout, per layer: ``k_cache`` and ``v_cache`` are each
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (head_dim contiguous). Token ``t`` of a
+request lives in block ``block_table[t // block_size]`` at offset ``t % block_size``; its flat slot
+is ``block_id * block_size + offset``.
+
+The batch is flat and unpadded: ``num_tokens`` query tokens, sequences laid out one after another
+(``query_start_loc`` = cu_seqlens_q). Sequence ``i`` has ``seq_lens[i]`` tokens in total (context
+already in the cache + its new tokens); its new tokens are the last ``query_lens[i]`` of those, so
+they sit at positions ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1`` and attend causally.
+A decode token has query_len 1; a prefill chunk has query_len > 1, with or without context.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_tokens: int
+    num_seqs: int
+    # [num_tokens] int64: the cache slot each new token's K/V is written to.
+    slot_mapping: torch.Tensor
+    # [num_seqs + 1] int32: start of each sequence's tokens in the flat batch.
+    query_start_loc: torch.Tensor
+    # [num_seqs] int32: total length (context + new) of each sequence.
+    seq_lens: torch.Tensor
+    # [num_seqs, max_blocks_per_seq] int32, rows padded with 0 past each sequence's blocks.
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, for backends that plan on the CPU (lists of python ints).
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # True when every sequence has query_len 1 (a pure decode step).
+    is_decode_only: bool = False
+
+
+class AttentionBackend(abc.ABC):
+    """Writes the new K/V into the cache, then attends through block tables.
+
+    ``forward`` gets ``query [num_tokens, num_heads, head_dim]``, ``key``/``value``
+    ``[num_tokens, num_kv_heads, head_dim]`` for the new tokens only, and returns
+    ``[num_tokens, num_heads, head_dim]``. Every new K/V of the batch is written before any
+    attention is computed, so a sequence may read blocks another sequence fills in the same step
+    (this is how prefix-cache hits on blocks computed in the same step stay correct).
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...

@@ -1,0 +1,63 @@
+"""Attention backend lookup by name: "torch" (reference, CPU), "triton" (CUDA), "auto".
+
+The triton backend is imported only when asked for, so ``import pagellm`` works without triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.attention.backend import AttentionBackend
+
+BACKEND_NAMES = ("auto", "torch", "triton")
+
+_default_backend = "auto"
+
+
+def set_default_backend(name: str) -> None:
+    """Backend used by ``Attention`` layers built without an explicit ``backend_name``."""
+    global _default_backend
+    _check_name(name)
+    _default_backend = name
+
+
+def get_default_backend() -> str:
+    return _default_backend
+
+
+def _check_name(name: str) -> None:
+    if name not in BACKEND_NAMES:
+        raise ValueError(
+            f"unknown attention backend {name!r} (--attention-backend must be one of "
+            f"{', '.join(BACKEND_NAMES)})"
+        )
+
+
+def _import_triton() -> type[AttentionBackend]:
+    from pagellm.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend
+
+
+def get_attn_backend_cls(name: str | None, device: torch.device | str) -> type[AttentionBackend]:
+    """The backend class for ``name`` (None: the default set by the runner) on ``device``."""
+    name = name or _default_backend
+    _check_name(name)
+    device = torch.device(device)
+    if name == "torch":
+        from pagellm.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend
+    if name == "triton":
+        try:
+            return _import_triton()
+        except ImportError as e:
+            raise ValueError(f"--attention-backend triton is unavailable: {e}") from e
+    if device.type == "cuda":
+        try:
+            return _import_triton()
+        except ImportError:
+            pass
+    from pagellm.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend

@@ -1,0 +1,123 @@
+"""Paged attention in plain torch: the CPU path and the oracle other backends are tested against.
+
+One step: write every new K/V into its cache slot (one vectorized index_copy_), then attend.
+Pure-decode sequences are batched: their blocks are gathered through the block tables into a
+padded ``[B, Lmax, Hkv, D]`` tensor and attended by one SDPA call. Prefill chunks (query_len > 1)
+run one by one with a causal mask shifted by their context length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+          mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """SDPA on ``[B, H, L, D]`` tensors; K/V may have fewer heads (GQA)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of ``q [T, H, D]`` over ``k/v [T, Hkv, D]`` as one sequence, no cache."""
+    out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                scale, is_causal=True)
+    return out[0].transpose(0, 1)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store ``key/value [T, Hkv, D]`` at flat slots ``slot_mapping [T]`` of the caches."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    slots = slot_mapping.to(torch.long)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = meta.num_tokens
+        write_kv_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache,
+                       meta.slot_mapping[:num_tokens])
+        out = torch.empty_like(query)
+        starts = meta.query_start_loc_cpu
+        seq_lens = meta.seq_lens_cpu
+        if meta.is_decode_only:
+            decode_seqs, prefill_seqs = list(range(meta.num_seqs)), []
+        else:
+            decode_seqs, prefill_seqs = [], []
+            for i in range(meta.num_seqs):
+                (decode_seqs if starts[i + 1] - starts[i] == 1 else prefill_seqs).append(i)
+        if decode_seqs:
+            self._decode(query, k_cache, v_cache, meta, decode_seqs, out)
+        for i in prefill_seqs:
+            start, end = starts[i], starts[i + 1]
+            out[start:end] = self._prefill(query[start:end], k_cache, v_cache,
+                                           meta.block_tables[i], seq_lens[i])
+        return out
+
+    def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, seqs: list[int], out: torch.Tensor) -> None:
+        device = query.device
+        block_size = k_cache.shape[1]
+        max_len = max(meta.seq_lens_cpu[i] for i in seqs)
+        num_blocks = -(-max_len // block_size)
+        if len(seqs) == meta.num_seqs:
+            token_idx = None
+            block_tables = meta.block_tables[:, :num_blocks]
+            seq_lens = meta.seq_lens
+        else:
+            seq_idx = torch.tensor(seqs, device=device)
+            token_idx = torch.tensor([meta.query_start_loc_cpu[i] for i in seqs], device=device)
+            block_tables = meta.block_tables[seq_idx, :num_blocks]
+            seq_lens = meta.seq_lens[seq_idx]
+        block_tables = block_tables.long()
+        k = k_cache[block_tables].flatten(1, 2)  # [B, Lmax, Hkv, D]
+        v = v_cache[block_tables].flatten(1, 2)
+        valid = torch.arange(k.shape[1], device=device)[None, :] < seq_lens[:, None].long()
+        # NOTE: padding slots may hold anything (NaN included): zero them by selection so that a
+        # masked position contributes exactly 0, then mask them out of the softmax.
+        k.masked_fill_(~valid[:, :, None, None], 0)
+        v.masked_fill_(~valid[:, :, None, None], 0)
+        q = query[: meta.num_tokens] if token_idx is None else query[token_idx]
+        o = _sdpa(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), self.scale,
+                  mask=valid[:, None, None, :])
+        o = o[:, :, 0, :]
+        if token_idx is None:
+            out[: meta.num_tokens] = o
+        else:
+            out[token_idx] = o
+
+    def _prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+        block_size = k_cache.shape[1]
+        query_len = query.shape[0]
+        context_len = seq_len - query_len
+        blocks = block_table[: -(-seq_len // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[None]  # [1, Hkv, S, D]
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[None]
+        q = query.transpose(0, 1)[None]
+        if context_len == 0:
+            o = _sdpa(q, k, v, self.scale, is_causal=True)
+        else:
+            device = query.device
+            q_pos = torch.arange(context_len, seq_len, device=device)
+            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+            o = _sdpa(q, k, v, self.scale, mask=mask)
+        return o[0].transpose(0, 1)

@@ -1,0 +1,164 @@
+"""Per-request block tables on top of the block pool: prefix lookup, slot allocation, freeing."""
+
+from __future__ import annotations
+
+from pagellm.core.block_hash import (
+    BlockHash,
+    ExtraKeys,
+    extend_block_hashes,
+    get_hash_fn,
+    request_extra_keys,
+)
+from pagellm.core.block_pool import BlockPool, KVCacheBlock
+from pagellm.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Hands out KV blocks to requests and finds their cached prefixes.
+
+    Contract: after ``allocate_slots(req, n, ...)`` succeeds the request holds exactly
+    ``ceil((num_computed_tokens + num_new_computed_tokens + n) / block_size)`` blocks, and every
+    full block among them is in the prefix cache already (cached at allocation, before the runner
+    computes it, so a request scheduled in the same step can share it: the runner writes a
+    layer's K/V for the whole batch before attending). Block hashes are kept here per request
+    and extended incrementally; ``request.py`` stays free of cache state.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        enable_caching: bool,
+        hash_algo: str = "sha256",
+        max_model_len: int | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}.")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.max_model_len = max_model_len
+        self.hash_fn = get_hash_fn(hash_algo)
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        # req_id -> number of its leading blocks already offered to the hash map.
+        self.num_cached_blocks: dict[str, int] = {}
+        # Cumulative prefix-cache stats in tokens (only with enable_caching).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        # req_id -> (queried, hit) tokens of a lookup, counted once its allocation succeeds, so a
+        # request retried over several steps for lack of blocks is counted once.
+        self._pending_stats: dict[str, tuple[int, int]] = {}
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def _extra_keys(self, request: Request) -> ExtraKeys | None:
+        return request_extra_keys(request.cache_salt, request.group_id, self.enable_caching)
+
+    def _block_hashes(self, request: Request) -> list[BlockHash] | None:
+        """The request's full-block hashes, extended to its current tokens (None: not hashed)."""
+        extra = self._extra_keys(request)
+        if extra is None:
+            return None
+        hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
+        extend_block_hashes(
+            self.hash_fn, self.block_size, request.all_token_ids, hashes, extra
+        )
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest chain of cached full blocks matching the request's tokens, and the number
+        of tokens they hold. At least the last token is always left to compute (its logits are
+        needed), so the hit is at most ``num_tokens - 1`` rounded down to a block. The blocks are
+        not referenced yet: pass them to ``allocate_slots``."""
+        hashes = self._block_hashes(request)
+        if hashes is None:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_hit_tokens = len(blocks) * self.block_size
+        if self.enable_caching:
+            self._pending_stats[request.request_id] = (request.num_tokens, num_hit_tokens)
+        return blocks, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Reserve KV slots for ``num_new_tokens`` tokens to compute after the request's
+        ``num_computed_tokens`` plus ``num_new_computed_tokens`` prefix-hit tokens held by
+        ``new_computed_blocks``. Returns the newly taken blocks (possibly none), or None, with
+        nothing changed, when the pool cannot supply them all."""
+        new_computed_blocks = new_computed_blocks or []
+        assert num_new_computed_tokens == len(new_computed_blocks) * self.block_size
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id, [])
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_total = num_computed + num_new_tokens
+        assert self.max_model_len is None or num_total <= self.max_model_len, (req_id, num_total)
+        assert num_total <= request.num_tokens, "only known tokens can be scheduled"
+
+        num_new_blocks = cdiv(num_total, self.block_size) - len(req_blocks)
+        num_new_blocks -= len(new_computed_blocks)
+        # A hit on a cached free block takes it out of the free queue too.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(num_new_blocks, 0) + num_revived > self.block_pool.get_num_free_blocks():
+            return None
+
+        if new_computed_blocks:
+            assert not req_blocks, "prefix hits only at a request's (re)start"
+            self.block_pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        req_blocks.extend(new_blocks)
+        self.req_to_blocks[req_id] = req_blocks
+
+        pending = self._pending_stats.pop(req_id, None)
+        if pending is not None:
+            self.prefix_cache_queries += pending[0]
+            self.prefix_cache_hits += pending[1]
+
+        hashes = self._block_hashes(request)
+        if hashes is not None:
+            num_full = num_total // self.block_size
+            num_cached = self.num_cached_blocks.get(req_id, 0)
+            if num_full > num_cached:
+                self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
+                self.num_cached_blocks[req_id] = num_full
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request, tail first (so its tail is evicted first), and
+        forget its hashes (recomputed if it is scheduled again after a preemption)."""
+        req_id = request.request_id
+        blocks = self.req_to_blocks.pop(req_id, [])
+        self.block_pool.free_blocks(reversed(blocks))
+        self.req_to_block_hashes.pop(req_id, None)
+        self.num_cached_blocks.pop(req_id, None)
+        self._pending_stats.pop(req_id, None)
+
+    def get_blocks(self, req_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(req_id, [])
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(req_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,79 @@
+"""What the scheduler tells the model runner each step, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen (first scheduling, or resumed after preemption).
+
+    ``prompt_token_ids`` + ``output_token_ids`` are every token the request has so far; the runner
+    keeps them and appends what it samples. ``block_ids`` is the whole block table.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner already holds, as diffs: blocks added this step and the new
+    ``num_computed_tokens`` (before this step's tokens)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> number of tokens to run this step (a decode token or a prefill chunk).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that finished or were preempted since the last step: the runner drops their state.
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """Logprobs of one sampled token: the sampled token's own plus the top-N of the raw
+    distribution (token id -> logprob), and their ranks."""
+
+    sampled_token_id: int
+    sampled_logprob: float
+    sampled_rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """One entry per scheduled request, in the runner's order. ``sampled_token_ids[i]`` is empty
+    for a request whose prefill chunk did not reach the end of its known tokens."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[Logprobs | None] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """Per-request result of one step, from the scheduler to the output processor."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    new_logprobs: list[Logprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0

@@ -1,0 +1,277 @@
+"""The token-budget scheduler: one rule, no prefill/decode phases (pure Python, no torch)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Protocol
+
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagellm.metrics.stats import SchedulerStats
+from pagellm.request import Request, RequestStatus
+
+
+class SchedulerConfigLike(Protocol):
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+class CacheConfigLike(Protocol):
+    block_size: int
+    enable_prefix_caching: bool
+    prefix_caching_hash_algo: str
+
+
+class Scheduler:
+    """Spends a per-step token budget catching each request's ``num_computed_tokens`` up to its
+    ``num_tokens``: RUNNING requests first, in order, then WAITING ones (FCFS) while fewer than
+    ``max_num_seqs`` run. Chunked prefill, mixed prefill+decode steps and prefix hits all follow.
+    When blocks run out, the newest running request is preempted (recompute): its blocks are
+    freed and it returns to the front of the waiting queue.
+
+    ``num_computed_tokens`` advances at schedule time: the runner computes all it is given.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfigLike,
+        cache_config: CacheConfigLike,
+        num_blocks: int,
+    ) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.num_blocks = num_blocks
+        self.kv_cache_manager = KVCacheManager(
+            block_size=cache_config.block_size,
+            num_blocks=num_blocks,
+            enable_caching=cache_config.enable_prefix_caching,
+            hash_algo=getattr(cache_config, "prefix_caching_hash_algo", "sha256"),
+            max_model_len=self.max_model_len,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished (or aborted) since the last schedule(): sent once to the runner.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler.")
+        if request.num_tokens < 1:
+            raise ValueError("prompt_token_ids must not be empty.")
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids has {request.num_tokens} tokens, more than max_model_len "
+                f"({self.max_model_len})."
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                budget,
+                self.max_model_len - request.num_computed_tokens,
+            )
+            if num_new <= 0:  # nothing to compute until the runner samples its next token
+                i += 1
+                continue
+            new_blocks = kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+                new_blocks = kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled[request.request_id] = num_new
+            request.num_computed_tokens += num_new
+            budget -= num_new
+            i += 1
+
+        # A step that had to preempt is short of blocks: admitting more would only preempt again.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            computed_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if kv.allocate_slots(request, num_new, computed_blocks, num_hit) is None:
+                break  # FCFS: no skipping ahead, no preemption for waiting requests
+            self.waiting.popleft()
+            self.running.append(request)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+                request.first_scheduled_time = time.monotonic()
+            request.status = RequestStatus.RUNNING
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=list(request.prompt_token_ids),
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=kv.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit,
+                )
+            )
+            num_scheduled[request.request_id] = num_new
+            request.num_computed_tokens = num_hit + num_new
+            budget -= num_new
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, sched_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, apply EOS/stop-token/length stops and free finished
+        requests' blocks; one output per request that got tokens or finished."""
+        index = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+        outputs: list[EngineCoreOutput] = []
+        now = time.monotonic()
+        any_finished = False
+        for req_id in sched_output.num_scheduled_tokens:
+            i = index.get(req_id)
+            request = self.requests.get(req_id)
+            # Aborted while its step ran, or no token (prefill chunk short of the end).
+            if i is None or request is None or request.is_finished:
+                continue
+            sampled = runner_output.sampled_token_ids[i]
+            if not sampled:
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = now
+            new_token_ids: list[int] = []
+            for token_id in sampled:
+                request.append_output_token_ids([token_id])
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break
+            lp = runner_output.logprobs[i] if i < len(runner_output.logprobs) else None
+            new_logprobs: list[Logprobs] = [lp] if lp is not None else []
+            finish = request.get_finish_reason()
+            if finish is not None:
+                self._free_request(request)
+                any_finished = True
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=finish.value if finish is not None else None,
+                    stop_reason=request.stop_reason,
+                    new_logprobs=new_logprobs,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        if any_finished:  # one pass, not a list.remove per finished request
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        """Set a finished status if the last token ends the request."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in (params.stop_token_ids or ()):
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string): their blocks are freed now and their
+        ids go to the next SchedulerOutput. Unknown or already finished ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status.name}.")
+        for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        """Free a finished request's blocks and forget it (the caller unlinks it from the
+        running/waiting queue)."""
+        assert request.is_finished
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+        )

@@ -1,0 +1,289 @@
+"""AsyncLLM: the asyncio client the server uses to reach the engine core process.
+
+Tokenization (InputProcessor) and detokenization (OutputProcessor) run here, in the front end; the
+engine core runs in its own process (core_proc.py), so HTTP and text work never take the GIL from
+the model loop. One background task reads the engine's outputs and routes each RequestOutput to
+its request's queue; ``generate()`` reads that queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import pickle
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pagellm.config import EngineArgs, EngineConfig
+from pagellm.engine.core_proc import EngineCoreClient, EngineCoreOutputs, EngineDeadError
+from pagellm.engine.input_processor import InputProcessor, PromptType
+from pagellm.engine.output_processor import OutputKind, OutputProcessor
+from pagellm.metrics.logger import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
+from pagellm.metrics.prometheus import PrometheusStatLogger
+from pagellm.metrics.request_stats import IterationMetrics, RequestStatsTracker
+from pagellm.metrics.stats import SchedulerStats
+from pagellm.outputs import RequestOutput
+from pagellm.request import RequestStatus
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagellm")
+
+__all__ = ["AsyncLLM", "EngineDeadError", "OutputKind", "RequestStream"]
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator. ``close()`` (or being dropped before the
+    last output) aborts the request in the engine."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, prompt: str | None,
+                 prompt_token_ids: list[int], queue: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort_nowait([self.request_id])
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to free
+            pass
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, *, log_stats: bool = True,
+                 log_requests: bool = False, stat_log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
+                 core_factory: Any = None, tokenizer: Any = None,
+                 eos_token_id: int | None = None) -> None:
+        if tokenizer is None:
+            from pagellm.engine.llm_engine import load_tokenizer_and_eos
+
+            tokenizer, eos_token_id = load_tokenizer_and_eos(config)
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.log_requests = log_requests
+        self.input_processor = InputProcessor(config, tokenizer, eos_token_id)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.request_stats = RequestStatsTracker()
+        self.prometheus = PrometheusStatLogger(config.model.served_model_name,
+                                               config.model.max_model_len)
+        self.stat_logger = LoggingStatLogger() if log_stats else None
+        self.stat_log_interval_s = stat_log_interval_s
+        self.scheduler_stats = SchedulerStats()
+        self.dead_error: EngineDeadError | None = None
+        self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
+        self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._utility_calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._closing = False
+        self.core = EngineCoreClient(config, eos_token_id, core_factory)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        return cls(args.create_engine_config(), **kwargs)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @property
+    def engine_pid(self) -> int | None:
+        return self.core.pid
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def on_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call ``callback`` once if the engine process dies or fails."""
+        self._dead_callbacks.append(callback)
+
+    def start(self) -> None:
+        """Start the output handler (and the stats log) on the running loop; idempotent."""
+        if self._loop is not None:
+            return
+        loop = self._loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._output_handler(), name="pagellm-output"))
+        if self.stat_logger is not None:
+            self._tasks.append(loop.create_task(self._log_stats_loop(), name="pagellm-stats"))
+        # The process sentinel becomes readable when the engine exits, however it exits.
+        loop.add_reader(self.core.proc.sentinel, self._on_engine_exit)
+
+    async def aclose(self) -> None:
+        """Stop the background tasks and the engine process."""
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self._closing = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.core.proc.sentinel)
+        self.core.shutdown()
+
+    def _on_engine_exit(self) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(self.core.proc.sentinel)
+        if not self._closing:
+            self.core.proc.join(1.0)  # the sentinel can fire just before the exit status is in
+            self._set_dead(f"The engine core process exited (exit code "
+                           f"{self.core.proc.exitcode}).")
+
+    def _set_dead(self, message: str) -> None:
+        if self.dead_error is not None:
+            return
+        self.dead_error = EngineDeadError(message)
+        logger.error("%s", message)
+        for state in self.output_processor.requests.values():
+            if state.queue is not None:
+                state.queue.put_nowait(self.dead_error)
+        for fut in self._utility_calls.values():
+            if not fut.done():
+                fut.set_exception(self.dead_error)
+        for callback in self._dead_callbacks:
+            callback(self.dead_error)
+
+    async def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    kind: OutputKind = OutputKind.DELTA, arrival_time: float | None = None,
+                    priority: int = 0) -> RequestStream:
+        """Validate, tokenize and send one prompt to the engine (raises ValueError for bad
+        input, EngineDeadError when the engine is gone); returns its output stream."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        self.start()
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        processed, children = self.input_processor.process(request_id, prompt, params,
+                                                           arrival_time, priority)
+        queue: asyncio.Queue = asyncio.Queue()
+        ids = processed.prompt_token_ids
+        self.output_processor.add_request(
+            request_id, processed.prompt, ids, params, [c.request_id for c in children], kind,
+            queue, arrival_time=children[0].arrival_time)
+        for child in children:
+            self.request_stats.add(child.request_id, child.arrival_time, len(ids))
+        self.core.add_requests(children)
+        if self.log_requests:
+            logger.info("Received request %s: %d prompt tokens, params: %s", request_id,
+                        len(ids), params)
+        return RequestStream(self, request_id, processed.prompt, ids, queue)
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       kind: OutputKind = OutputKind.DELTA, arrival_time: float | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs (deltas by default) until it finishes. If the consumer
+        stops early (client gone, task cancelled), the request is aborted and its KV blocks
+        are freed in the engine's next step."""
+        stream = self.add_request(request_id, prompt, params, kind, arrival_time, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        self.abort_nowait([request_id] if isinstance(request_id, str) else request_id)
+
+    def abort_nowait(self, request_ids: list[str]) -> None:
+        child_ids = [c for rid in request_ids for c in self.output_processor.abort_request(rid)]
+        if not child_ids:
+            return
+        self._record(None, self.request_stats.abort(child_ids))
+        if self.dead_error is None and not self._closing:
+            self.core.abort_requests(child_ids)
+            if self.log_requests:
+                logger.info("Aborted request(s) %s", ", ".join(request_ids))
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._call_utility("reset_prefix_cache"))
+
+    async def _call_utility(self, method: str) -> Any:
+        if self.dead_error is not None:
+            raise self.dead_error
+        self.start()
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = fut
+        self.core.send(("utility", call_id, method))
+        try:
+            return await fut
+        finally:
+            self._utility_calls.pop(call_id, None)
+
+    # ---- background tasks ------------------------------------------------------------------
+    async def _output_handler(self) -> None:
+        sock = zmq.asyncio.Socket.shadow(self.core.output_socket.underlying)
+        try:
+            while True:
+                frame = await sock.recv(copy=False)
+                msg = pickle.loads(frame.buffer)
+                if msg[0] == "outputs":
+                    self._process(msg[1])
+                elif msg[0] == "utility":
+                    fut = self._utility_calls.get(msg[1])
+                    if fut is not None and not fut.done():
+                        if isinstance(msg[2], BaseException):
+                            fut.set_exception(msg[2])
+                        else:
+                            fut.set_result(msg[2])
+                elif msg[0] == "error":
+                    self._set_dead(f"The engine core failed:\n{msg[1]}")
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.exception("Output handler failed")
+            self._set_dead(f"The output handler failed: {e!r}")
+
+    def _process(self, batch: EngineCoreOutputs) -> None:
+        processed = self.output_processor.process_outputs(batch.outputs)
+        if processed.reqs_to_stop:
+            # A stop string ended these samples: the engine must stop them too.
+            self.core.abort_requests(processed.reqs_to_stop, RequestStatus.FINISHED_STOPPED)
+        it = self.request_stats.update(batch.outputs, batch.first_scheduled_times,
+                                       processed.reqs_to_stop)
+        self._record(batch.scheduler_stats, it)
+
+    def _record(self, stats: SchedulerStats | None, it: IterationMetrics | None) -> None:
+        if stats is not None:
+            self.scheduler_stats = stats
+        self.prometheus.record(stats, it)
+        if self.stat_logger is not None:
+            self.stat_logger.record(stats, it)
+
+    async def _log_stats_loop(self) -> None:
+        assert self.stat_logger is not None
+        while True:
+            await asyncio.sleep(self.stat_log_interval_s)
+            self.stat_logger.log()

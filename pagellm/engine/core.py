@@ -1,0 +1,90 @@
+"""EngineCore: the scheduler and the model runner, one step at a time (no tokenizer here).
+
+The offline LLMEngine runs it in-process; the server runs it in its own process behind a
+transport, so HTTP and detokenization never contend with the model loop for the GIL.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pagellm.config import EngineConfig
+from pagellm.core.sched_output import EngineCoreOutput
+from pagellm.core.scheduler import Scheduler
+from pagellm.metrics.stats import SchedulerStats
+from pagellm.request import Request, RequestStatus
+
+logger = logging.getLogger("pagellm")
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """Totals since start-up, updated every step."""
+
+    num_steps: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    num_generation_tokens: int = 0
+    num_finished: dict[str, int] = field(default_factory=dict)
+    step_time_s: float = 0.0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
+        from pagellm.worker.executor import make_executor
+
+        self.config = config
+        start = time.perf_counter()
+        self.executor = make_executor(config, eos_token_id)
+        num_blocks = self.executor.initialize_kv_cache()
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self.num_blocks = num_blocks
+        self.stats = IterationStats()
+        self._num_prompt_left: dict[str, int] = {}
+        logger.info("Engine ready in %.1f s", time.perf_counter() - start)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: list[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        if req_ids:
+            self.scheduler.finish_requests(req_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        start = time.perf_counter()
+        sched_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(sched_output)
+        outputs = self.scheduler.update_from_output(sched_output, runner_output)
+        self._count(sched_output, outputs)
+        self.stats.step_time_s += time.perf_counter() - start
+        return outputs
+
+    def _count(self, sched_output, outputs: list[EngineCoreOutput]) -> None:
+        st = self.stats
+        st.num_steps += 1
+        num_gen = 0
+        for out in outputs:
+            num_gen += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                st.num_finished[out.finish_reason] = st.num_finished.get(out.finish_reason, 0) + 1
+        st.num_generation_tokens += num_gen
+        # Every scheduled token that is not a running request's single decode token is prefill.
+        counts = sched_output.num_scheduled_tokens
+        num_decode = sum(1 for r in sched_output.scheduled_cached_reqs.req_ids if counts[r] == 1)
+        st.num_prompt_tokens += sched_output.total_num_scheduled_tokens - num_decode
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,97 @@
+"""Prompts -> validated engine Requests (tokenization, limits, n > 1 fan-out)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pagellm.config import EngineConfig
+from pagellm.request import Request
+from pagellm.sample.metadata import validate_token_ids
+from pagellm.sampling_params import SamplingParams
+
+# A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids", and maybe "cache_salt".
+PromptType = str | Mapping[str, Any]
+
+
+@dataclass(slots=True)
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    cache_salt: str | None
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any, eos_token_id: int | None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.max_model_len = config.model.max_model_len
+        self.vocab_size = config.model.vocab_size
+
+    def tokenize(self, prompt: PromptType) -> ProcessedPrompt:
+        if isinstance(prompt, str):
+            text, ids, salt = prompt, None, None
+        elif isinstance(prompt, Mapping):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise ValueError(f"Unknown prompt keys {sorted(unknown)}; expected 'prompt' or "
+                                 "'prompt_token_ids', and optionally 'cache_salt'.")
+            text, ids, salt = prompt.get("prompt"), prompt.get("prompt_token_ids"), \
+                prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError("cache_salt must be a string.")
+        else:
+            raise ValueError(f"A prompt must be a string or a dict, got {type(prompt).__name__}.")
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError("A prompt dict needs 'prompt' (a string) or 'prompt_token_ids'.")
+            ids = self.tokenizer.encode(text)
+        else:
+            if isinstance(ids, str | bytes) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers.")
+            ids = list(ids)
+        return ProcessedPrompt(text, ids, salt or None)
+
+    def validate(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("The prompt is empty: it must have at least one token.")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {self.vocab_size}).")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt has {len(ids)} tokens, but this model's context "
+                f"(max_model_len) is {self.max_model_len} tokens and at least one must be left "
+                "for the output. Shorten the prompt or raise --max-model-len.")
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                arrival_time: float | None = None, priority: int = 0
+                ) -> tuple[ProcessedPrompt, list[Request]]:
+        """Tokenize and validate one prompt; returns it and its n child Requests."""
+        processed = self.tokenize(prompt)
+        ids = processed.prompt_token_ids
+        self.validate(ids)
+        validate_token_ids(params, self.vocab_size)
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child_params = params if params.n == 1 else params.clone(n=1, seed=seed)
+            children.append(Request(
+                request_id=child_request_id(request_id, i, params.n),
+                prompt_token_ids=list(ids), sampling_params=child_params,
+                eos_token_id=self.eos_token_id, arrival_time=arrival,
+                cache_salt=processed.cache_salt,
+                group_id=request_id if params.n > 1 else None,
+                priority=priority, max_tokens=max_tokens))
+        return processed, children

@@ -1,0 +1,188 @@
+"""EngineCoreOutputs -> RequestOutputs: detokenize, apply stop strings, gather n samples.
+
+This is the one loop over the batch's outputs in the front end.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagellm.core.sched_output import EngineCoreOutput, Logprobs
+from pagellm.engine.detokenizer import IncrementalDetokenizer, decode_token
+from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = 0  # every update carries the whole text so far
+    DELTA = 1  # every update carries only what is new (streaming)
+    FINAL_ONLY = 2  # one output when every sample has finished
+
+
+@dataclass
+class _Sample:
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0
+    num_sent_logprobs: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kind: OutputKind
+    samples: dict[str, _Sample]
+    queue: Any = None  # an asyncio.Queue (or similar) in the async front end
+    num_cached_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_unfinished: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+
+@dataclass(slots=True)
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    # Samples a stop string finished: the engine core must stop them (finish as "stop").
+    reqs_to_stop: list[str]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self._parent_of: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, child_ids: list[str],
+                    kind: OutputKind = OutputKind.FINAL_ONLY, queue: Any = None,
+                    arrival_time: float | None = None) -> None:
+        samples = {}
+        for i, cid in enumerate(child_ids):
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop_strs,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens)
+            samples[cid] = _Sample(index=i, detok=detok,
+                                   cumulative_logprob=0.0 if params.logprobs is not None else None,
+                                   logprobs=[] if params.logprobs is not None else None)
+            self._parent_of[cid] = request_id
+        self.requests[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, kind, samples, queue,
+            arrival_time=arrival_time or time.monotonic(), num_unfinished=len(child_ids))
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns its child ids for the engine core to abort."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        for cid in state.samples:
+            self._parent_of.pop(cid, None)
+        return list(state.samples)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        now = time.monotonic()
+        request_outputs: list[RequestOutput] = []
+        reqs_to_stop: list[str] = []
+        for out in outputs:
+            parent = self._parent_of.get(out.req_id)
+            if parent is None:
+                continue  # aborted by the front end meanwhile
+            state = self.requests[parent]
+            sample = state.samples[out.req_id]
+            if sample.finish_reason is not None:
+                continue
+            if out.new_token_ids:
+                if state.first_token_time is None:
+                    state.first_token_time = now
+                    state.num_cached_tokens = out.num_cached_tokens
+                state.last_token_time = now
+                self._add_logprobs(sample, out.new_logprobs)
+                # EOS / stop token ids: the token stays in token_ids, its text stays out.
+                stop_str = sample.detok.update(out.new_token_ids,
+                                               stop_terminated=out.finish_reason == "stop")
+                sample.token_ids = sample.detok.output_token_ids  # cut after a stop string
+                if stop_str is not None:
+                    sample.finish_reason, sample.stop_reason = "stop", stop_str
+                    if out.finish_reason is None:
+                        reqs_to_stop.append(out.req_id)
+            if sample.finish_reason is None and out.finish_reason is not None:
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            if sample.finish_reason is not None:
+                state.num_unfinished -= 1
+                self._parent_of.pop(out.req_id, None)
+            ro = self._make_output(state, sample)
+            if state.finished:
+                del self.requests[parent]
+            if ro is not None:
+                if state.queue is not None:
+                    state.queue.put_nowait(ro)
+                request_outputs.append(ro)
+        return ProcessedOutputs(request_outputs, reqs_to_stop)
+
+    def _add_logprobs(self, sample: _Sample, records: list[Logprobs]) -> None:
+        if sample.logprobs is None:
+            return
+        for rec in records:
+            entry = {rec.sampled_token_id: Logprob(rec.sampled_logprob, rec.sampled_rank,
+                                                   decode_token(self.tokenizer,
+                                                                rec.sampled_token_id))}
+            for rank, (tid, lp) in enumerate(zip(rec.top_token_ids, rec.top_logprobs,
+                                                 strict=True), start=1):
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, rank, decode_token(self.tokenizer, tid))
+            sample.logprobs.append(entry)
+            assert sample.cumulative_logprob is not None
+            sample.cumulative_logprob += rec.sampled_logprob
+
+    def _completion(self, sample: _Sample, delta: bool) -> CompletionOutput:
+        finished = sample.finish_reason is not None
+        text = sample.detok.get_next_output_text(finished, delta)
+        if delta:
+            token_ids = sample.token_ids[sample.num_sent_tokens:]
+            logprobs = (sample.logprobs[sample.num_sent_logprobs:]
+                        if sample.logprobs is not None else None)
+            sample.num_sent_tokens = len(sample.token_ids)
+            sample.num_sent_logprobs = len(sample.logprobs or [])
+        else:
+            token_ids, logprobs = list(sample.token_ids), sample.logprobs
+        return CompletionOutput(index=sample.index, text=text, token_ids=token_ids,
+                                cumulative_logprob=sample.cumulative_logprob, logprobs=logprobs,
+                                finish_reason=sample.finish_reason,
+                                stop_reason=sample.stop_reason)
+
+    def _make_output(self, state: RequestState, sample: _Sample) -> RequestOutput | None:
+        if state.kind is OutputKind.FINAL_ONLY and not state.finished:
+            return None
+        if state.kind is OutputKind.DELTA:
+            outputs = [self._completion(sample, delta=True)]
+        else:
+            ordered = sorted(state.samples.values(), key=lambda s: s.index)
+            outputs = [self._completion(s, delta=False) for s in ordered]
+        metrics = {"arrival_time": state.arrival_time}
+        if state.first_token_time is not None:
+            metrics["first_token_time"] = state.first_token_time
+            metrics["last_token_time"] = state.last_token_time or state.first_token_time
+        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                             prompt_token_ids=state.prompt_token_ids, outputs=outputs,
+                             finished=state.finished, num_cached_tokens=state.num_cached_tokens,
+                             metrics=metrics)

@@ -1,0 +1,132 @@
+"""The offline ``LLM`` API, with vLLM's names and shapes."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pagellm.config import EngineArgs
+from pagellm.engine.input_processor import PromptType
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate completions for many prompts at once, with continuous batching.
+
+    ``LLM(model=None)`` loads the default model (SmolLM2-135M-Instruct, GGUF). Every engine option
+    is a keyword argument with vLLM's name (``max_model_len``, ``max_num_seqs``, ...).
+    """
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None,
+                 dtype: str = "auto", max_model_len: int | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 block_size: int = 16, kv_cache_memory: str | int | None = None,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = False,
+                 tensor_parallel_size: int = 1, seed: int = 0, device: str = "auto",
+                 load_format: str = "auto", **kwargs: Any) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine options: {sorted(unknown)}")
+        args = EngineArgs(
+            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size, kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            tensor_parallel_size=tensor_parallel_size, seed=seed, device=device,
+            load_format=load_format, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, str | Mapping):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"Got {len(params_list)} sampling_params for {len(prompts)} "
+                                 "prompts; pass one, or one per prompt.")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(self, messages: ChatMessages | Sequence[ChatMessages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations: list[ChatMessages]
+        if messages and isinstance(messages[0], Mapping):
+            conversations = [list(messages)]  # type: ignore[list-item]
+        else:
+            conversations = [list(c) for c in messages]  # type: ignore[arg-type]
+        tok = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            ids = tok.apply_chat_template(conv, chat_template=chat_template,
+                                          add_generation_prompt=add_generation_prompt,
+                                          tokenize=True)
+            if isinstance(ids, Mapping):  # some transformers versions return a BatchEncoding
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = [str(next(self._counter)) for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, params in zip(ids, prompts, params_list, strict=True):
+                engine.add_request(rid, prompt, params)
+                added.append(rid)
+        except Exception:
+            engine.abort_request(added)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = _progress(len(prompts)) if use_tqdm else None
+        start = time.perf_counter()
+        n_in = n_out = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            n_in += len(out.prompt_token_ids)
+                            n_out += sum(len(c.token_ids) for c in out.outputs)
+                            elapsed = max(time.perf_counter() - start, 1e-9)
+                            bar.set_postfix_str(f"in: {n_in / elapsed:.0f} tok/s, "
+                                                f"out: {n_out / elapsed:.0f} tok/s")
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request([r for r in ids if r not in results])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[r] for r in ids]
+
+
+def _progress(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

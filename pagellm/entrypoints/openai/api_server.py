@@ -1,0 +1,201 @@
+"""The OpenAI-compatible HTTP front end (FastAPI + uvicorn) over AsyncLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import pagellm
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagellm.entrypoints.openai.serving_chat import ChatRenderer, OpenAIServingChat
+from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_engine import ServedModels
+from pagellm.entrypoints.openai.serving_errors import (
+    bad_request,
+    error_body,
+    install_error_handlers,
+)
+
+logger = logging.getLogger("pagellm")
+
+# Paths that stay open with --api-key (probes and scrapers carry no key).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/openapi.json",
+                        "/docs/oauth2-redirect", "/redoc"})
+ENGINE_DEAD_GRACE_S = 2.0  # /health answers 503 this long before the server exits
+
+
+class ApiKeyMiddleware:
+    """401 unless ``Authorization: Bearer <key>`` matches (constant-time compare)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" \
+                or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                given = value
+                break
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse(error_body(401, "Invalid or missing API key (send "
+                                           "'Authorization: Bearer <key>').",
+                                           code="invalid_api_key"), status_code=401)
+        await response(scope, receive, send)
+
+
+def with_cancellation(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Cancel the handler (so its requests are aborted) if the client disconnects first.
+    Streaming responses are cancelled by Starlette itself once they start."""
+
+    @functools.wraps(handler)
+    async def wrapper(body: Any, raw_request: Request) -> Any:
+        handler_task = asyncio.ensure_future(handler(body, raw_request))
+
+        async def wait_disconnect() -> None:
+            while (await raw_request.receive())["type"] != "http.disconnect":
+                pass
+
+        disconnect_task = asyncio.ensure_future(wait_disconnect())
+        done, _ = await asyncio.wait([handler_task, disconnect_task],
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if handler_task in done:
+            disconnect_task.cancel()
+            return handler_task.result()
+        handler_task.cancel()
+        await asyncio.gather(handler_task, return_exceptions=True)
+        return Response(status_code=499)  # nobody is listening
+
+    return wrapper
+
+
+def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
+              chat_template: str | None = None, api_key: str | None = None) -> FastAPI:
+    config = engine.config
+    models = ServedModels(served_model_names or [config.model.served_model_name],
+                          str(config.model.model or config.model.served_model_name),
+                          config.model.max_model_len)
+    renderer = ChatRenderer(engine.tokenizer, chat_template)
+    completions = OpenAIServingCompletion(engine, models)
+    chat = OpenAIServingChat(engine, models, renderer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.aclose()
+
+    app = FastAPI(title="pagellm OpenAI-compatible server", version=pagellm.__version__,
+                  lifespan=lifespan)
+    app.state.engine = engine
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if engine.errored else 200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagellm.__version__}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        cards = [ModelCard(id=name, root=models.root, max_model_len=models.max_model_len)
+                 for name in models.names]
+        return ModelList(data=cards).model_dump()
+
+    @app.post("/v1/completions")
+    @with_cancellation
+    async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create(body)
+
+    @app.post("/v1/chat/completions")
+    @with_cancellation
+    async def create_chat_completion(body: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+        return await chat.create(body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        models.check(body.model)
+        if body.messages is not None:
+            ids = renderer.render(body.messages, body.add_generation_prompt,
+                                  body.continue_final_message)
+            if body.add_special_tokens:
+                ids = list(engine.tokenizer.build_inputs_with_special_tokens(ids))
+        else:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = list(engine.tokenizer.encode(body.prompt, add_special_tokens=add_special))
+        return TokenizeResponse(count=len(ids), max_model_len=models.max_model_len,
+                                tokens=ids).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        models.check(body.model)
+        vocab = config.model.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"Token id {bad[0]} is out of vocabulary (size {vocab}).",
+                              "tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)).model_dump()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data, content_type = engine.prometheus.render()
+        return Response(content=data, media_type=content_type)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        return {"success": await engine.reset_prefix_cache()}
+
+    return app
+
+
+async def serve_http(app: FastAPI, engine: AsyncLLM, host: str, port: int,
+                     log_level: str = "info", **uvicorn_kwargs: Any) -> int:
+    """Run uvicorn until SIGINT/SIGTERM (exit code 0) or engine death (exit code 1)."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5, **uvicorn_kwargs))
+    exit_code = 0
+
+    def on_dead(error: Exception) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        logger.error("The engine is dead; the server stops in %.0f s.", ENGINE_DEAD_GRACE_S)
+        asyncio.get_running_loop().call_later(ENGINE_DEAD_GRACE_S,
+                                              lambda: setattr(server, "should_exit", True))
+
+    engine.on_dead(on_dead)
+    await server.serve()
+    if not server.started and exit_code == 0:
+        exit_code = 1  # e.g. the port was taken
+    return exit_code

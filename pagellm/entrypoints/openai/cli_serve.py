@@ -1,0 +1,115 @@
+"""``pagellm serve [MODEL] [flags]``: every engine flag plus the server's own."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from pagellm.entrypoints.cli_args import add_engine_args, engine_args_from
+
+logger = logging.getLogger("pagellm")
+
+API_KEY_ENV = "PAGELLM_API_KEY"
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: local only; 0.0.0.0 serves "
+                        "the network)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' (also env {API_KEY_ENV}); "
+                        "/health and /metrics stay open")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; the first is reported (default: MODEL)")
+    g.add_argument("--chat-template", default=None,
+                   help="Jinja chat template file (or inline template) overriding the "
+                        "tokenizer's")
+    g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
+                   default=False, help="log every request's id, size and sampling params")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (default: SmolLM2-135M-Instruct) with an OpenAI-compatible API: "
+                    "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, ...")
+    add_engine_args(parser)
+    add_server_args(parser)
+    parser.set_defaults(func=run_serve)
+    return parser
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=logging.INFO,
+                            format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
+    logging.getLogger("pagellm").setLevel(logging.INFO)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # Before uvicorn runs (loading) and after it returns, SIGTERM behaves like Ctrl-C, so the
+    # finally blocks stop the engine process.
+    raise KeyboardInterrupt
+
+
+def run_serve(ns: argparse.Namespace) -> None:
+    """Run the server until SIGINT/SIGTERM; raises SystemExit(1) if the engine dies."""
+    from pagellm.engine.async_llm import AsyncLLM
+    from pagellm.entrypoints.openai.api_server import build_app, serve_http
+    from pagellm.entrypoints.openai.serving_chat import load_chat_template
+
+    _setup_logging()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    names = ns.served_model_name
+    args = engine_args_from(ns)
+    if names:
+        args = dataclasses.replace(args, served_model_name=names[0])
+    api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
+    engine = None
+    exit_code = 0
+    try:
+        try:
+            chat_template = load_chat_template(ns.chat_template)
+            config = args.create_engine_config()
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        engine = AsyncLLM(config, log_stats=not ns.disable_log_stats,
+                          log_requests=ns.enable_log_requests)
+        app = build_app(engine, names, chat_template, api_key)
+        if ns.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+            logger.warning("Serving on %s without --api-key: anyone who can reach this port "
+                           "can use the model.", ns.host)
+        exit_code = asyncio.run(serve_http(app, engine, ns.host, ns.port,
+                                           log_level=ns.uvicorn_log_level))
+    except KeyboardInterrupt:
+        logger.info("Interrupted; shutting down.")
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    if exit_code:
+        raise SystemExit(exit_code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m pagellm.entrypoints.openai.cli_serve`` == ``pagellm serve``."""
+    parser = argparse.ArgumentParser(prog="pagellm")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    ns = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    run_serve(ns)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""POST /v1/chat/completions: messages through the chat template, streaming or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagellm.engine.async_llm import AsyncLLM, RequestStream
+from pagellm.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from pagellm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    ServedModels,
+    final_outputs,
+    merge_streams,
+    sse,
+    sse_error,
+)
+from pagellm.entrypoints.openai.serving_errors import bad_request
+from pagellm.outputs import SampleLogprobs
+
+_MIN_LOGPROB = -9999.0
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file path, or the template text itself."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        if any(c in value for c in "{}\n"):
+            return value  # inline Jinja
+        raise ValueError(f"--chat-template: cannot read the file {value!r}.") from None
+
+
+class ChatRenderer:
+    """Messages -> prompt token ids with the tokenizer's (or --chat-template's) template."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> list[int]:
+        conversation = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.type != "text" or part.text is None:
+                        raise bad_request(f"Content parts of type {part.type!r} are not "
+                                          "supported; only text.", "messages")
+                    texts.append(part.text)
+                content = "\n".join(texts)
+            entry = {"role": m.role, "content": content or ""}
+            if m.name:
+                entry["name"] = m.name
+            conversation.append(entry)
+        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("This model has no chat template; start the server with "
+                              "--chat-template FILE.", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message)
+        except Exception as e:  # Jinja errors (e.g. "roles must alternate") are the user's
+            raise bad_request(f"Could not apply the chat template: {e}", "messages") from None
+        # The template writes the special tokens (BOS...) itself.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: AsyncLLM, models: ServedModels, renderer: ChatRenderer) -> None:
+        super().__init__(engine, models)
+        self.renderer = renderer
+
+    async def create(self, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        model = self.models.check(req.model)
+        ids = self.renderer.render(req.messages, req.add_generation_prompt,
+                                   req.continue_final_message)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, num_logprobs)
+        prompt: dict = {"prompt_token_ids": ids}
+        if req.cache_salt:
+            prompt["cache_salt"] = req.cache_salt
+        request_id = random_id("chatcmpl")
+        streams = self.start(request_id, [prompt], params, req.stream)
+        if req.stream:
+            return StreamingResponse(self._stream(req, request_id, model, streams[0]),
+                                     media_type="text/event-stream")
+        (out,) = await final_outputs(streams)
+        choices, num_completion = [], 0
+        for c in out.outputs:
+            num_completion += len(c.token_ids)
+            logprobs = (self.chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0)
+                        if req.logprobs else None)
+            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                      logprobs=logprobs, finish_reason=c.finish_reason,
+                                      stop_reason=c.stop_reason))
+        num_prompt = len(out.prompt_token_ids)
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                          total_tokens=num_prompt + num_completion)
+        body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        return JSONResponse(body.model_dump())
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs,
+                      top_n: int) -> ChatLogprobs:
+        content = []
+        for tid, entries in zip(token_ids, logprobs, strict=False):
+            sampled = entries[tid]
+            ranked = sorted(((lp.rank, t, lp) for t, lp in entries.items()
+                             if lp.rank is not None and lp.rank <= top_n), key=lambda x: x[0])
+            tops = []
+            for _, t, lp in ranked[:top_n]:
+                tok = self.token_str(t, lp.decoded_token)
+                tops.append(TopLogprob(token=tok, logprob=max(lp.logprob, _MIN_LOGPROB),
+                                       bytes=list(tok.encode("utf-8", errors="replace"))))
+            tok = self.token_str(tid, sampled.decoded_token)
+            content.append(ChatTokenLogprob(
+                token=tok, logprob=max(sampled.logprob, _MIN_LOGPROB),
+                bytes=list(tok.encode("utf-8", errors="replace")), top_logprobs=tops))
+        return ChatLogprobs(content=content)
+
+    def _chunk(self, request_id: str, created: int, model: str,
+               choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        data = ChatCompletionChunk(id=request_id, created=created, model=model,
+                                   choices=choices, usage=usage).model_dump()
+        for choice in data["choices"]:  # OpenAI omits unset delta fields
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        return sse(data)
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str,
+                      stream: RequestStream) -> AsyncIterator[str]:
+        created = int(time.time())
+        num_completion = 0
+        try:
+            # The first delta of every choice carries the role.
+            for i in range(req.n):
+                yield self._chunk(request_id, created, model, [ChatStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content=""))])
+            async for _, out in merge_streams([stream]):
+                for c in out.outputs:
+                    num_completion += len(c.token_ids)
+                    if not (c.text or c.finish_reason or (req.logprobs and c.token_ids)):
+                        continue
+                    logprobs = (self.chat_logprobs(c.token_ids, c.logprobs or [],
+                                                   req.top_logprobs or 0)
+                                if req.logprobs else None)
+                    yield self._chunk(request_id, created, model, [ChatStreamChoice(
+                        index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+            if req.stream_options is not None and req.stream_options.include_usage:
+                num_prompt = len(stream.prompt_token_ids)
+                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                                  total_tokens=num_prompt + num_completion)
+                yield self._chunk(request_id, created, model, [], usage)
+        except Exception as e:
+            yield sse_error(e)
+        yield SSE_DONE

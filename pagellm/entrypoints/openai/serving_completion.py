@@ -1,0 +1,150 @@
+"""POST /v1/completions: text or token-id prompts (one or many), streaming or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagellm.engine.async_llm import RequestStream
+from pagellm.engine.input_processor import PromptType
+from pagellm.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from pagellm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    final_outputs,
+    merge_streams,
+    sse,
+    sse_error,
+)
+from pagellm.entrypoints.openai.serving_errors import bad_request
+from pagellm.outputs import CompletionOutput, SampleLogprobs
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    def prompts(self, req: CompletionRequest) -> list[PromptType]:
+        p = req.prompt
+        items: list[str | list[int]]
+        if isinstance(p, str):
+            items = [p]
+        elif not p:
+            raise bad_request("prompt must not be empty.", "prompt")
+        elif isinstance(p[0], int):
+            items = [p]  # type: ignore[list-item]
+        else:
+            items = list(p)  # type: ignore[arg-type]
+        prompts: list[PromptType] = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise bad_request("The prompt is empty: it must have at least one token.",
+                                      "prompt")
+                prompt: dict = {"prompt": item}
+            else:
+                prompt = {"prompt_token_ids": list(item)}
+            if req.cache_salt:
+                prompt["cache_salt"] = req.cache_salt
+            prompts.append(prompt)
+        return prompts
+
+    async def create(self, req: CompletionRequest) -> JSONResponse | StreamingResponse:
+        model = self.models.check(req.model)
+        prompts = self.prompts(req)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        request_id = random_id("cmpl")
+        streams = self.start(request_id, prompts, params, req.stream)
+        if req.stream:
+            return StreamingResponse(self._stream(req, request_id, model, streams),
+                                     media_type="text/event-stream")
+        outs = await final_outputs(streams)
+        choices, num_prompt, num_completion = [], 0, 0
+        for pi, out in enumerate(outs):
+            num_prompt += len(out.prompt_token_ids)
+            prompt_text = self._prompt_text(streams[pi]) if req.echo else ""
+            for c in out.outputs:
+                num_completion += len(c.token_ids)
+                choices.append(self._choice(req, pi * req.n + c.index, c, streams[pi],
+                                            prompt_text, 0))
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                          total_tokens=num_prompt + num_completion)
+        body = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        return JSONResponse(body.model_dump())
+
+    def _prompt_text(self, stream: RequestStream) -> str:
+        if stream.prompt is not None:
+            return stream.prompt
+        return self.tokenizer.decode(stream.prompt_token_ids)
+
+    def _choice(self, req: CompletionRequest, index: int, c: CompletionOutput,
+                stream: RequestStream, echo_text: str, offset: int) -> CompletionChoice:
+        """``echo_text`` is prepended (the prompt, in the first chunk of an echoed choice);
+        ``offset`` is the text offset where this piece starts."""
+        logprobs = None
+        if req.logprobs is not None:
+            echo_ids = stream.prompt_token_ids if echo_text else []
+            logprobs = self.completion_logprobs(c.token_ids, c.logprobs or [], echo_ids, offset)
+        return CompletionChoice(index=index, text=echo_text + c.text, logprobs=logprobs,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+    def completion_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs,
+                            echo_ids: list[int], offset: int) -> CompletionLogprobs:
+        """OpenAI's legacy shape. Echoed prompt tokens carry no logprobs (null); each sampled
+        token's ``top_logprobs`` holds the top-N tokens plus the sampled one."""
+        out = CompletionLogprobs()
+        for tid in echo_ids:
+            tok = self.token_str(tid, None)
+            out.tokens.append(tok)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(tok)
+        for tid, entries in zip(token_ids, logprobs, strict=False):
+            sampled = entries[tid]
+            tok = self.token_str(tid, sampled.decoded_token)
+            out.tokens.append(tok)
+            out.token_logprobs.append(max(sampled.logprob, _MIN_LOGPROB))
+            out.top_logprobs.append({self.token_str(t, lp.decoded_token):
+                                     max(lp.logprob, _MIN_LOGPROB) for t, lp in entries.items()})
+            out.text_offset.append(offset)
+            offset += len(tok)
+        return out
+
+    async def _stream(self, req: CompletionRequest, request_id: str, model: str,
+                      streams: list[RequestStream]) -> AsyncIterator[str]:
+        created = int(time.time())
+        num_prompt = sum(len(s.prompt_token_ids) for s in streams)
+        num_completion = 0
+        offsets: dict[int, int] = {}  # choice index -> text offset so far
+        try:
+            async for pi, out in merge_streams(streams):
+                for c in out.outputs:
+                    index = pi * req.n + c.index
+                    first = index not in offsets
+                    echo_text = self._prompt_text(streams[pi]) if req.echo and first else ""
+                    num_completion += len(c.token_ids)
+                    if not (c.text or echo_text or c.token_ids or c.finish_reason):
+                        continue
+                    choice = self._choice(req, index, c, streams[pi], echo_text,
+                                          offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(choice.text)
+                    chunk = CompletionResponse(id=request_id, created=created, model=model,
+                                               choices=[choice])
+                    yield sse(chunk)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                                  total_tokens=num_prompt + num_completion)
+                yield sse(CompletionResponse(id=request_id, created=created, model=model,
+                                             choices=[], usage=usage))
+        except Exception as e:  # headers are sent: report in the stream, as OpenAI does
+            yield sse_error(e)
+        yield SSE_DONE

@@ -1,0 +1,160 @@
+"""What the completion and chat endpoints share: model names, sampling parameters, starting
+requests, merging their streams, SSE framing and logprob formatting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from pagellm.engine.async_llm import AsyncLLM, OutputKind, RequestStream
+from pagellm.engine.input_processor import PromptType
+from pagellm.entrypoints.openai.protocol import SamplingFields
+from pagellm.entrypoints.openai.serving_errors import bad_request, error_body, model_not_found
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass
+class ServedModels:
+    names: list[str]  # the first is the one we report
+    root: str
+    max_model_len: int
+
+    def check(self, name: str | None) -> str:
+        """The name to echo back; unknown names are 404 (no name means the first one)."""
+        if name is None or name == "":
+            return self.names[0]
+        if name not in self.names:
+            raise model_not_found(name)
+        return name
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, models: ServedModels) -> None:
+        self.engine = engine
+        self.models = models
+        self.tokenizer = engine.tokenizer
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int | None,
+                        logprobs: int | None) -> SamplingParams:
+        logit_bias = None
+        if req.logit_bias:
+            try:
+                logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise bad_request("logit_bias keys must be token ids.", "logit_bias") from None
+            vocab = self.engine.config.model.vocab_size
+            if any(not 0 <= k < vocab for k in logit_bias):
+                raise bad_request(f"logit_bias has a token id outside the vocabulary "
+                                  f"(size {vocab}).", "logit_bias")
+        try:
+            return SamplingParams(
+                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed,
+                max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=(1.0 if req.repetition_penalty is None
+                                    else req.repetition_penalty),
+                logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                logit_bias=logit_bias)
+        except ValueError as e:
+            # "SamplingParams.top_p must be ..." -> name the request field instead.
+            raise bad_request(str(e).removeprefix("SamplingParams.")) from None
+
+    def start(self, request_id: str, prompts: Sequence[PromptType], params: SamplingParams,
+              stream: bool) -> list[RequestStream]:
+        """Validate and start every prompt, or none (a bad prompt is a 400 before any work)."""
+        kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(self.engine.add_request(rid, prompt, params, kind))
+        except ValueError as e:
+            close_all(streams)
+            raise bad_request(str(e), "prompt") from None
+        except BaseException:
+            close_all(streams)
+            raise
+        return streams
+
+    def token_str(self, token_id: int, decoded: str | None) -> str:
+        if decoded is not None:
+            return decoded
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def close_all(streams: Sequence[RequestStream]) -> None:
+    """Abort whatever has not finished (a no-op for finished streams)."""
+    for s in streams:
+        s.close()
+
+
+async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """The last output of each stream (FINAL_ONLY streams yield exactly one)."""
+
+    async def last(stream: RequestStream) -> RequestOutput:
+        last_out = None
+        async for out in stream:
+            last_out = out
+        assert last_out is not None and last_out.finished
+        return last_out
+
+    try:
+        return list(await asyncio.gather(*(last(s) for s in streams)))
+    finally:
+        close_all(streams)
+
+
+async def merge_streams(streams: Sequence[RequestStream]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index. Leaving early
+    (cancellation, client gone) aborts every unfinished stream."""
+    pending: dict[asyncio.Future, int] = {}
+    try:
+        for i, s in enumerate(streams):
+            pending[asyncio.ensure_future(s.__anext__())] = i
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                try:
+                    out = fut.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
+    finally:
+        for fut in pending:
+            fut.cancel()
+        close_all(streams)
+
+
+def sse(data: BaseModel | dict[str, Any] | str) -> str:
+    if isinstance(data, BaseModel):
+        payload = data.model_dump_json(exclude_unset=False)
+    elif isinstance(data, dict):
+        payload = json.dumps(data)
+    else:
+        payload = data
+    return f"data: {payload}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    status = getattr(exc, "status", 500)
+    message = getattr(exc, "message", None) or str(exc)
+    return sse(error_body(status, message))
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,46 @@
+"""Per-step attention metadata, set by the model runner and read by attention layers.
+
+Models never see block tables: the runner enters ``set_forward_context(meta, kv_caches)`` around
+the forward pass and every ``Attention`` layer calls ``get_forward_context()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagellm.attention.backend import AttentionMetadata
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None
+    # One (k_cache, v_cache) pair per layer, indexed by the layer's index.
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+_context: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    assert _context is not None, "attention called outside set_forward_context()"
+    return _context
+
+
+@contextmanager
+def set_forward_context(
+    attn_metadata: AttentionMetadata | None,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> Iterator[None]:
+    global _context
+    prev = _context
+    _context = ForwardContext(attn_metadata, kv_caches)
+    try:
+        yield
+    finally:
+        _context = prev

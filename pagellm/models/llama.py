@@ -1,0 +1,197 @@
+"""Llama (and Mistral, same tensors) built from tensor-parallel layers.
+
+The model runs on a flat batch: ``input_ids [T]`` and ``positions [T]`` -> hidden ``[T, H]``;
+``compute_logits`` turns the rows the sampler needs into float32 logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm.layers.activation import SiluAndMul
+from pagellm.layers.attention import Attention
+from pagellm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagellm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagellm.layers.norm import RMSNorm
+from pagellm.layers.rotary import RotaryEmbedding, get_rope
+
+logger = logging.getLogger(__name__)
+
+
+def get_head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str,
+                 bias: bool = False) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding,
+                 qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        hidden_size = config.hidden_size
+        total_num_heads = config.num_attention_heads
+        total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
+        head_dim = get_head_dim(config)
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, total_num_heads,
+                                          total_num_kv_heads, bias=qkv_bias)
+        self.q_size = self.qkv_proj.num_heads * head_dim
+        self.kv_size = self.qkv_proj.num_kv_heads * head_dim
+        self.o_proj = RowParallelLinear(total_num_heads * head_dim, hidden_size, bias=o_bias)
+        self.rotary_emb = rotary_emb  # shared by all layers
+        self.attn = Attention(self.qkv_proj.num_heads, head_dim, self.qkv_proj.num_kv_heads,
+                              head_dim**-0.5, layer_idx)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding,
+                 qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                            bias=getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary_emb = get_rope(get_head_dim(config), config.max_position_embeddings, config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, o_bias)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection -> (our fused parameter, shard id)
+    stacked_params_mapping = (
+        ("q_proj", "qkv_proj", "q"),
+        ("k_proj", "qkv_proj", "k"),
+        ("v_proj", "qkv_proj", "v"),
+        ("gate_proj", "gate_up_proj", 0),
+        ("up_proj", "gate_up_proj", 1),
+    )
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias, o_bias = self.attention_bias(config)
+        self.model = LlamaModel(config, qkv_bias, o_bias)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        attn = self.model.layers[0].self_attn.attn
+        # What the runner needs to size the KV cache (per tensor-parallel rank).
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+        self.max_position = config.max_position_embeddings
+        self.sliding_window = self.get_sliding_window(config)
+        if self.sliding_window is not None:
+            logger.warning("sliding_window=%d is ignored: attention is full, so outputs differ "
+                           "from the reference past %d tokens", self.sliding_window,
+                           self.sliding_window)
+
+    @staticmethod
+    def attention_bias(config: Any) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o_proj)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    @staticmethod
+    def get_sliding_window(config: Any) -> int | None:
+        window = getattr(config, "sliding_window", None)
+        if window is None or window >= config.max_position_embeddings:
+            return None
+        return int(window)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load checkpoint tensors by their Hugging Face names; returns the parameters filled.
+
+        Raises ValueError for a tensor with no home or a parameter left without a tensor.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name:
+                continue
+            if ckpt_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # some tied checkpoints store the copy anyway
+            name, shard_id = ckpt_name, None
+            for part, fused, sid in self.stacked_params_mapping:
+                if f".{part}." in ckpt_name:
+                    name, shard_id = ckpt_name.replace(f".{part}.", f".{fused}."), sid
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no parameter of "
+                                 f"{type(self).__name__}")
+            try:
+                if shard_id is None:
+                    param.weight_loader(param, tensor)
+                else:
+                    param.weight_loader(param, tensor, shard_id)
+            except (RuntimeError, ValueError) as e:
+                raise ValueError(f"cannot load checkpoint tensor {ckpt_name!r} of shape "
+                                 f"{tuple(tensor.shape)}: {e}") from e
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint has no tensor for {len(missing)} parameters: "
+                             f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral checkpoints use Llama's tensor names and layout."""

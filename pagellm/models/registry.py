@@ -1,0 +1,46 @@
+"""Hugging Face architecture name -> pagellm model class."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from torch import nn
+
+# architecture -> (module under pagellm.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+}
+
+# Configs read from GGUF files carry a model_type but no `architectures`.
+_MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_cls(config: Any) -> type[nn.Module]:
+    """The class implementing ``config.architectures`` (or its ``model_type`` when absent)."""
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs:
+        model_type = getattr(config, "model_type", None)
+        if model_type in _MODEL_TYPES:
+            archs = [_MODEL_TYPES[model_type]]
+        else:
+            archs = [f"model_type={model_type!r}"]
+    for arch in archs:
+        if arch in _MODELS:
+            module_name, cls_name = _MODELS[arch]
+            module = importlib.import_module(f"pagellm.models.{module_name}")
+            return getattr(module, cls_name)
+    raise ValueError(
+        f"model architecture {', '.join(archs)} is not supported; supported architectures: "
+        f"{', '.join(supported_architectures())}"
+    )

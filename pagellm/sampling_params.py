@@ -1,0 +1,107 @@
+"""Sampling parameters, with vLLM's field names and defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completion(s).
+
+    temperature 0 means greedy. Every field is validated in ``__post_init__``; an invalid value
+    raises ``ValueError`` naming the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    # Filled by the engine: every stop string as a list, and the eos-equivalent token ids.
+    _stop_strs: list[str] = field(default_factory=list, repr=False, init=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self._stop_strs = []
+        elif isinstance(self.stop, str):
+            self._stop_strs = [self.stop]
+        else:
+            self._stop_strs = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            self.stop_token_ids = list(self.stop_token_ids)
+        self._validate()
+
+    @property
+    def stop_strs(self) -> list[str]:
+        return self._stop_strs
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.temperature < 0.0:
+            bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be an integer; 0 or -1 disables it")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1 (or None for the rest of the context)")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            bad("repetition_penalty", "must be in (0, 2]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
+            bad("logprobs", f"must be in [0, {_MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
+            bad("prompt_logprobs", f"must be in [0, {_MAX_LOGPROBS}]")
+        if any(not isinstance(s, str) or s == "" for s in self._stop_strs):
+            bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
+            bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None:
+            for tok, b in self.logit_bias.items():
+                if not isinstance(tok, int) or tok < 0:
+                    bad("logit_bias", "keys must be non-negative token ids")
+                if not -100.0 <= float(b) <= 100.0:
+                    bad("logit_bias", "values must be in [-100, 100]")
+
+    def clone(self, **changes: object) -> SamplingParams:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)  # type: ignore[arg-type]

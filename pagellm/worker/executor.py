@@ -1,0 +1,41 @@
+"""Executors run the model runner(s): in-process for one rank; one process per rank for TP."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pagellm.config import EngineConfig
+from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(Protocol):
+    def initialize_kv_cache(self) -> int: ...
+
+    def execute_model(self, sched_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+class UniProcExecutor:
+    """One model runner in this process (tensor_parallel_size == 1)."""
+
+    def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
+        from pagellm.worker.model_runner import ModelRunner
+
+        self.runner = ModelRunner(config, eos_token_id)
+
+    def initialize_kv_cache(self) -> int:
+        return self.runner.initialize_kv_cache()
+
+    def execute_model(self, sched_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(sched_output)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_executor(config: EngineConfig, eos_token_id: int | None) -> Executor:
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError("--tensor-parallel-size > 1 is not supported yet (tensor parallelism is "
+                         "tracked separately); use --tensor-parallel-size 1.")
+    return UniProcExecutor(config, eos_token_id)

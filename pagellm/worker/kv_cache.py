@@ -1,0 +1,73 @@
+"""KV cache budget per device and the allocation of per-layer K/V block tensors."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from pagellm.config import EngineConfig
+from pagellm.worker.memory_plan import (
+    GiB,
+    KVCachePlan,
+    check_fits,
+    default_cpu_kv_budget,
+    kv_bytes_per_token,
+    log_plan,
+    plan_kv_cache,
+)
+
+logger = logging.getLogger("pagellm")
+
+
+def config_kv_bytes_per_token(config: EngineConfig) -> int:
+    m = config.model
+    return kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim,
+                              torch.tensor([], dtype=m.dtype).element_size(),
+                              config.parallel.tensor_parallel_size)
+
+
+def plan_for_device(config: EngineConfig, weight_bytes: int,
+                    profile_peak_activation: Callable[[], int]) -> KVCachePlan:
+    """CPU: the explicit --kv-cache-memory, or a safe share of free RAM. CUDA: the part of
+    gpu_memory_utilization x total memory left after weights, peak activations (measured by a
+    profiling forward) and memory outside torch."""
+    device = config.device.device
+    per_token = config_kv_bytes_per_token(config)
+    cache = config.cache
+    if device.type == "cuda":
+        activation = profile_peak_activation()
+        free, total = torch.cuda.mem_get_info(device)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
+        budget = int(total * cache.gpu_memory_utilization) - weight_bytes - activation - non_torch
+        logger.info("GPU memory: total %.2f GiB x %.2f; weights %.2f GiB, peak activations "
+                    "%.2f GiB, non-torch %.2f GiB -> KV %.2f GiB", total / GiB,
+                    cache.gpu_memory_utilization, weight_bytes / GiB, activation / GiB,
+                    non_torch / GiB, budget / GiB)
+        flag = "--gpu-memory-utilization"
+        budget = max(0, budget)
+    else:
+        budget = cache.kv_cache_memory or default_cpu_kv_budget()
+        flag = "--kv-cache-memory"
+    plan = plan_kv_cache(budget, per_token, cache.block_size, config.model.max_model_len,
+                         cache.num_gpu_blocks_override)
+    log_plan(plan, str(device))
+    check_fits(plan, flag)
+    return plan
+
+
+def allocate_kv_caches(config: EngineConfig, num_blocks: int, device: torch.device,
+                       dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer, viewed as
+    (k_cache, v_cache)."""
+    from pagellm.worker.memory_plan import kv_heads_per_rank
+
+    m = config.model
+    heads = kv_heads_per_rank(m.num_kv_heads, config.parallel.tensor_parallel_size)
+    shape = (2, num_blocks, config.cache.block_size, heads, m.head_dim)
+    caches = []
+    for _ in range(m.num_layers):
+        kv = torch.zeros(shape, dtype=dtype, device=device)
+        caches.append((kv[0], kv[1]))
+    return caches

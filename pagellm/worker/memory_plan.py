@@ -1,0 +1,109 @@
+"""KV cache sizing: the one piece of arithmetic shared by the engine's start-up and `pagellm plan`.
+
+KV bytes per token = 2 (K and V) x layers x kv_heads (on this rank) x head_dim x dtype bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+
+logger = logging.getLogger("pagellm")
+
+GiB = 1 << 30
+# CPU default: a quarter of the memory available at start-up, at most this much.
+DEFAULT_CPU_KV_FRACTION = 0.25
+DEFAULT_CPU_KV_CAP = 8 * GiB
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """K/V heads split across ranks; replicated when there are fewer heads than ranks."""
+    return max(1, num_kv_heads // tp_size)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                       tp_size: int = 1) -> int:
+    return 2 * num_layers * kv_heads_per_rank(num_kv_heads, tp_size) * head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.kv_bytes_per_token * self.block_size
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def blocks_per_max_len_request(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many requests of max_model_len tokens fit at once."""
+        return self.num_blocks / self.blocks_per_max_len_request
+
+    @property
+    def fits(self) -> bool:
+        return self.num_blocks >= self.blocks_per_max_len_request
+
+    def as_dict(self) -> dict[str, float | int | bool]:
+        out: dict[str, float | int | bool] = asdict(self)
+        out.update(token_capacity=self.token_capacity, max_concurrency=self.max_concurrency,
+                   fits=self.fits)
+        return out
+
+
+def plan_kv_cache(kv_budget_bytes: int, kv_bytes_per_token: int, block_size: int,
+                  max_model_len: int, num_blocks_override: int | None = None) -> KVCachePlan:
+    bytes_per_block = kv_bytes_per_token * block_size
+    num_blocks = num_blocks_override or max(0, kv_budget_bytes // bytes_per_block)
+    return KVCachePlan(kv_budget_bytes=kv_budget_bytes, kv_bytes_per_token=kv_bytes_per_token,
+                       block_size=block_size, num_blocks=int(num_blocks),
+                       max_model_len=max_model_len)
+
+
+def check_fits(plan: KVCachePlan, budget_flag: str) -> None:
+    """Refuse to start when one request of max_model_len cannot fit, with the numbers and fixes."""
+    if plan.fits:
+        return
+    need = plan.blocks_per_max_len_request * plan.bytes_per_block
+    raise ValueError(
+        f"--max-model-len {plan.max_model_len} does not fit in the KV cache: one such request "
+        f"needs {plan.blocks_per_max_len_request} blocks ({need / GiB:.2f} GiB), but the KV budget "
+        f"of {plan.kv_budget_bytes / GiB:.2f} GiB holds only {plan.num_blocks} blocks "
+        f"({plan.token_capacity} tokens). Lower --max-model-len to at most "
+        f"{plan.token_capacity}, or raise {budget_flag}.")
+
+
+def available_host_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes); falls back to 8 GiB where unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * GiB
+
+
+def default_cpu_kv_budget() -> int:
+    return int(min(DEFAULT_CPU_KV_CAP, DEFAULT_CPU_KV_FRACTION * available_host_memory()))
+
+
+def log_plan(plan: KVCachePlan, device: str) -> None:
+    logger.info(
+        "KV cache on %s: %.2f GiB budget, %d bytes/token, %d blocks of %d tokens -> %d tokens; "
+        "max concurrency at max_model_len %d: %.2fx",
+        device, plan.kv_budget_bytes / GiB, plan.kv_bytes_per_token, plan.num_blocks,
+        plan.block_size, plan.token_capacity, plan.max_model_len, plan.max_concurrency)

@@ -1,0 +1,198 @@
+"""The model runner: SchedulerOutput -> one flat, unpadded batch -> forward -> sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from pagellm.attention.backend import AttentionMetadata
+from pagellm.config import EngineConfig
+from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.forward_context import set_forward_context
+from pagellm.sample.metadata import SamplingMetadata
+from pagellm.sample.sampler import Sampler, logprobs_record
+from pagellm.worker.input_batch import CachedRequestState, InputBatch
+from pagellm.worker.kv_cache import allocate_kv_caches, plan_for_device
+
+logger = logging.getLogger("pagellm")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
+        from pagellm.attention import registry
+        from pagellm.models.loader import build_model
+
+        self.config = config
+        self.device = config.device.device
+        self.dtype = config.model.dtype
+        self.block_size = config.cache.block_size
+        self.eos_token_id = eos_token_id
+        self.vocab_size = config.model.vocab_size
+        registry.set_default_backend(config.device.attention_backend)
+        torch.manual_seed(config.model.seed)
+        start = time.perf_counter()
+        self.model = build_model(config.model.hf_config, config.model.source, self.dtype,
+                                 self.device, config.model.load_format)
+        self.model.eval()
+        self.load_seconds = time.perf_counter() - start
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("Loaded %s in %.1f s: %.1f MiB of weights as %s on %s",
+                    config.model.architecture, self.load_seconds, self.weight_bytes / 2**20,
+                    str(self.dtype).removeprefix("torch."), self.device)
+        sched = config.scheduler
+        self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
+        self.sampler = Sampler()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+
+    # ---- KV cache -------------------------------------------------------------------------
+    def initialize_kv_cache(self) -> int:
+        """Plan the KV budget for this device, refuse configurations that cannot serve one request
+        of max_model_len, allocate the per-layer caches and return the number of blocks."""
+        plan = plan_for_device(self.config, self.weight_bytes, self._profile_peak_activation)
+        self.kv_caches = allocate_kv_caches(self.config, plan.num_blocks, self.device, self.dtype)
+        self.num_blocks = plan.num_blocks
+        self.kv_plan = plan
+        return plan.num_blocks
+
+    @torch.inference_mode()
+    def _profile_peak_activation(self) -> int:
+        """Peak activation bytes of a forward over max_num_batched_tokens tokens (CUDA only)."""
+        n = self.config.scheduler.max_num_batched_tokens
+        input_ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        positions = torch.arange(n, device=self.device) % self.config.model.max_model_len
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        with set_forward_context(None, []):
+            hidden = self.model(input_ids, positions)
+            logits = self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs:])
+            self.sampler.greedy(logits)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del hidden, logits
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # ---- one step -----------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            batch.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            batch.remove_request(new.req_id)  # resumed after preemption: start over
+            params = new.sampling_params
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device)
+            batch.add_request(new.req_id, new.prompt_token_ids, new.output_token_ids, params,
+                              new.block_ids, new.num_computed_tokens, gen)
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                   cached.num_computed_tokens, strict=True):
+            state = batch.requests[req_id]
+            batch.append_blocks(state, block_ids)
+            state.num_computed_tokens = num_computed
+
+    def _prepare_inputs(self, so: SchedulerOutput, states: list[CachedRequestState]
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray,
+                                   np.ndarray]:
+        batch = self.input_batch
+        bs = self.block_size
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        num_sched = np.fromiter((so.num_scheduled_tokens[s.req_id] for s in states),
+                                dtype=np.int64, count=len(states))
+        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
+                                   count=len(states))
+        cu = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=cu[1:])
+        total = int(cu[-1])
+        assert total == so.total_num_scheduled_tokens
+        token_req = np.repeat(np.arange(len(states)), num_sched)
+        positions = np.arange(total) - cu[:-1][token_req] + num_computed[token_req]
+        token_rows = rows[token_req]
+        input_ids = batch.token_ids[token_rows, positions]
+        slot_mapping = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs \
+            + positions % bs
+        seq_lens = num_computed + num_sched
+        max_seq_len = int(seq_lens.max())
+        block_tables = batch.block_table[rows, : -(-max_seq_len // bs)]
+        # A request samples only when this step reaches the end of its known tokens.
+        num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64,
+                                 count=len(states))
+        sample_mask = seq_lens >= num_tokens
+        logits_indices = cu[1:][sample_mask] - 1
+
+        dev = self.device
+        meta = AttentionMetadata(
+            num_tokens=total, num_seqs=len(states),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(
+                dev, non_blocking=True),
+            max_query_len=int(num_sched.max()), max_seq_len=max_seq_len,
+            query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist(),
+            is_decode_only=bool((num_sched == 1).all()),
+        )
+        ids = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+        pos = torch.from_numpy(positions).to(dev, non_blocking=True)
+        return ids, pos, meta, logits_indices, np.nonzero(sample_mask)[0]
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+        batch = self.input_batch
+        order = [n.req_id for n in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
+        states = [batch.requests[r] for r in order]
+        input_ids, positions, meta, logits_indices, sample_rows = self._prepare_inputs(so, states)
+        with set_forward_context(meta, self.kv_caches):
+            hidden = self.model(input_ids, positions)
+        sampled: list[list[int]] = [[] for _ in states]
+        logprobs: list = [None] * len(states)
+        if len(logits_indices):
+            idx = torch.from_numpy(logits_indices).to(self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            sample_states = [states[i] for i in sample_rows]
+            for s in sample_states:
+                if s.generator is not None:
+                    # Seeded noise depends only on (seed, output position): the same tokens
+                    # whatever the batch, and again after a preemption.
+                    s.generator.manual_seed(_step_seed(s.sampling_params.seed,
+                                                       len(s.output_token_ids)))
+            smeta = SamplingMetadata.build(
+                params=[s.sampling_params for s in sample_states],
+                prompt_token_ids=[batch.prompt_token_ids(s) if _needs_prompt(s) else []
+                                  for s in sample_states],
+                output_token_ids=[s.output_token_ids for s in sample_states],
+                generators=[s.generator for s in sample_states],
+                eos_token_ids=[self.eos_token_id] * len(sample_states),
+                vocab_size=self.vocab_size, device=self.device,
+            )
+            out = self.sampler(logits, smeta)
+            tokens = out.sampled_token_ids.tolist()
+            for j, (i, state) in enumerate(zip(sample_rows.tolist(), sample_states,
+                                               strict=True)):
+                tok = int(tokens[j])
+                batch.append_token(state, tok)
+                sampled[i] = [tok]
+                if state.sampling_params.logprobs is not None:
+                    logprobs[i] = logprobs_record(out, j, state.sampling_params.logprobs)
+        for state in states:
+            state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
+        return ModelRunnerOutput(req_ids=order, sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def _step_seed(seed: int | None, position: int) -> int:
+    assert seed is not None
+    return (seed * 1_000_003 + position * 7_919) % (2**63 - 1)
+
+
+def _needs_prompt(state: CachedRequestState) -> bool:
+    # Only the repetition penalty looks at prompt tokens.
+    return state.sampling_params.repetition_penalty != 1.0

@@ -1,0 +1,164 @@
+"""Shared test helpers: tiny random Hugging Face models (Llama, Qwen2, Mistral) on disk.
+
+``write_tiny_model(path, arch)`` saves a transformers model with random weights (float32
+safetensors) plus a small byte-level BPE tokenizer whose size is the model's vocab_size, so that
+every loader path (config, tokenizer, safetensors) runs exactly as for a real checkpoint.
+Heavy imports stay inside the functions: core tests that never ask for a model stay fast.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TINY_ARCHS = ("llama", "llama-tied", "llama-rope3", "qwen2", "mistral")
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "def forward(self, x):\n    return x * 2 + 1\n",
+    "Continuous batching schedules decode tokens and prefill chunks together.",
+    "0123456789 +-*/ = () [] {} <> '\" ; : , . ? !",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@functools.cache
+def build_test_tokenizer() -> Any:
+    """A deterministic byte-level BPE (about 400 tokens) as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def tiny_config(arch: str = "llama", **overrides: Any) -> Any:
+    """A transformers config for a 2-layer model with GQA (4 query heads, 2 KV heads)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    tok = build_test_tokenizer()
+    common: dict[str, Any] = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        initializer_range=0.25,  # larger than real models: varied greedy text, clear margins
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    if arch in ("llama", "llama-tied", "llama-rope3"):
+        cfg = dict(common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        if arch == "llama-tied":
+            cfg["tie_word_embeddings"] = True
+        if arch == "llama-rope3":
+            cfg["rope_parameters"] = {
+                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        cfg.update(overrides)
+        return LlamaConfig(**cfg)
+    if arch == "qwen2":
+        cfg = dict(common, num_key_value_heads=1, tie_word_embeddings=True,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        cfg.update(overrides)
+        return Qwen2Config(**cfg)
+    if arch == "mistral":
+        cfg = dict(common, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                   sliding_window=None)
+        cfg.update(overrides)
+        return MistralConfig(**cfg)
+    raise ValueError(f"unknown tiny arch {arch!r}; one of {TINY_ARCHS}")
+
+
+def write_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
+                     **overrides: Any) -> Path:
+    """Save a random-weight HF model (float32 safetensors) and the test tokenizer to ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Non-trivial norm weights, so a loader that skips them cannot pass.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    build_test_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """``tiny_model_dir(arch)`` -> folder of that tiny model, written once per session."""
+    cache: dict[str, Path] = {}
+
+    def get(arch: str = "llama") -> Path:
+        if arch not in cache:
+            cache[arch] = write_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> Any:
+    """The tokenizer every tiny model ships with (``len(tok) == config.vocab_size``)."""
+    return build_test_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def make_tiny_config():
+    """``make_tiny_config(arch, **overrides)`` -> transformers config (see ``tiny_config``)."""
+    return tiny_config
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model():
+    """``make_tiny_model(path, arch, seed=0, **overrides)`` -> path of a saved tiny model."""
+    return write_tiny_model

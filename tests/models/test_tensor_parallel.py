@@ -1,0 +1,54 @@
+"""Tensor parallelism on CPU (gloo, 2 ranks): sharded layers give the unsharded model's logits.
+
+Covers head-split attention (llama: 4 heads / 2 KV heads), KV-head replication (qwen2: 1 KV
+head on 2 ranks) and an uneven vocabulary split (401 tokens over 2 ranks).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.multiprocessing as mp
+from paged_harness import PagedHarness
+
+from pagellm.distributed.parallel_state import destroy_tp, get_tp_size, init_tp
+from pagellm.models.loader import build_model, load_hf_config, resolve_model_source
+
+PROMPT = list(range(3, 60))
+
+
+def _logits(path: str) -> tuple[torch.Tensor, list[int]]:
+    src = resolve_model_source(path)
+    model = build_model(load_hf_config(src), src, torch.float32, torch.device("cpu"))
+    harness = PagedHarness(model, block_size=16)
+    logits = harness.step([("a", PROMPT)], all_logits=True)
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(4):
+        tokens.append(int(harness.step([("a", [tokens[-1]])])[0].argmax()))
+    return logits, tokens
+
+
+def _worker(rank: int, store: str, paths: list[str], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    init_tp(rank, 2, "gloo", init_method=f"file://{store}")
+    try:
+        assert get_tp_size() == 2
+        for i, path in enumerate(paths):
+            torch.save(_logits(path), os.path.join(out_dir, f"rank{rank}-{i}.pt"))
+    finally:
+        destroy_tp()
+
+
+def test_tp2_matches_tp1(tmp_path, tiny_model_dir, make_tiny_model):
+    paths = [str(tiny_model_dir("llama")),
+             str(make_tiny_model(tmp_path / "qwen2-401", "qwen2", vocab_size=401))]
+    expected = [_logits(p) for p in paths]
+    mp.start_processes(_worker, args=(str(tmp_path / "store"), paths, str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    for rank in range(2):
+        for i, (logits, tokens) in enumerate(expected):
+            got_logits, got_tokens = torch.load(tmp_path / f"rank{rank}-{i}.pt")
+            assert got_logits.shape == logits.shape
+            torch.testing.assert_close(got_logits, logits, atol=1e-4, rtol=0)
+            assert got_tokens == tokens

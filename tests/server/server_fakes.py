@@ -1,0 +1,97 @@
+"""A fake engine core (no model, no torch) and a tiny word-level tokenizer, for testing the
+transport and AsyncLLM without the real model. The fake core must be importable by module name in
+the spawned engine process (pytest puts this directory on sys.path, which spawn passes on)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from pagellm.core.sched_output import EngineCoreOutput
+from pagellm.metrics.stats import SchedulerStats
+from pagellm.request import Request, RequestStatus
+
+VOCAB_SIZE = 50
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB_SIZE)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def make_config(max_model_len: int = 64, step_delay_s: float = 0.002,
+                fail_after_steps: int | None = None, fail_at_start: bool = False):
+    model = SimpleNamespace(max_model_len=max_model_len, vocab_size=VOCAB_SIZE,
+                            served_model_name="fake-model")
+    return SimpleNamespace(model=model, step_delay_s=step_delay_s,
+                           fail_after_steps=fail_after_steps, fail_at_start=fail_at_start)
+
+
+def next_token(last: int) -> int:
+    return (last + 1) % VOCAB_SIZE
+
+
+class FakeEngineCore:
+    """Every running request gets one token per step: the previous token + 1 (mod vocab)."""
+
+    num_blocks = 100
+
+    def __init__(self, config, eos_token_id: int | None) -> None:
+        if config.fail_at_start:
+            raise ValueError("fake start-up failure: not enough KV cache memory")
+        self.config = config
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.aborted: dict[str, RequestStatus] = {}
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+
+    def abort_requests(self, req_ids: list[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        for req_id in req_ids:
+            if self.requests.pop(req_id, None) is not None:
+                self.aborted[req_id] = status
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[EngineCoreOutput]:
+        self.num_steps += 1
+        if self.config.fail_after_steps is not None and \
+                self.num_steps > self.config.fail_after_steps:
+            raise RuntimeError("fake model failure")
+        time.sleep(self.config.step_delay_s)
+        outputs = []
+        for req in list(self.requests.values()):
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            token = next_token(req.all_token_ids[-1])
+            req.append_output_token_ids([token])
+            finish, stop_reason = None, None
+            if token in (req.sampling_params.stop_token_ids or ()):
+                finish, stop_reason = "stop", token
+            elif req.num_output_tokens >= req.max_tokens:
+                finish = "length"
+            if finish is not None:
+                del self.requests[req.request_id]
+            outputs.append(EngineCoreOutput(req.request_id, [token], finish, stop_reason))
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        n = len(self.requests)
+        return SchedulerStats(num_running_reqs=n, kv_cache_usage=n / self.num_blocks,
+                              num_steps=self.num_steps)
+
+    def reset_prefix_cache(self) -> bool:
+        return not self.requests
+
+    def shutdown(self) -> None:
+        pass
