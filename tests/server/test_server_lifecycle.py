@@ -1,0 +1,78 @@
+"""Process lifecycle of ``pagellm serve``: flags as vLLM users write them, start-up errors,
+and SIGTERM/SIGINT shutting everything down with no orphan process."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+from server_utils import REPO, TINY_ARGS, ServerProcess, pid_alive, wait_until
+
+from pagellm.entrypoints.cli_args import engine_args_from
+from pagellm.entrypoints.openai.cli_serve import add_serve_parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pagellm")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def test_vllm_example_command_parses():
+    ns = parse("serve MODEL --dtype float16 --max-model-len 8000 --max-num-seqs 160 "
+               "--max-num-batched-tokens 8192 --gpu-memory-utilization 0.9 --port 8000".split())
+    args = engine_args_from(ns)
+    assert (args.model, args.dtype, args.max_model_len, args.max_num_seqs) == \
+        ("MODEL", "float16", 8000, 160)
+    assert args.max_num_batched_tokens == 8192 and args.gpu_memory_utilization == 0.9
+    assert (ns.port, ns.host) == (8000, "127.0.0.1")  # nothing exposed unless asked
+
+
+def test_server_flags_parse():
+    ns = parse(["serve", "--host", "0.0.0.0", "--api-key", "k", "--served-model-name", "a", "b",
+                "--chat-template", "t.jinja", "--disable-log-stats", "--enable-log-requests",
+                "--uvicorn-log-level", "warning", "--enable-prefix-caching",
+                "--tensor-parallel-size", "1"])
+    assert ns.host == "0.0.0.0" and ns.api_key == "k" and ns.served_model_name == ["a", "b"]
+    assert ns.disable_log_stats and ns.enable_log_requests and ns.enable_prefix_caching
+    assert ns.uvicorn_log_level == "warning" and ns.chat_template == "t.jinja"
+
+
+def test_bad_flag_value_exits_with_a_clear_message():
+    r = subprocess.run([sys.executable, "-m", "pagellm.entrypoints.openai.cli_serve",
+                        "--max-model-len", "999999", "--dtype", "float32"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "--max-model-len 999999" in r.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_shuts_down_cleanly_mid_request(tmp_path, sig):
+    srv = ServerProcess([*TINY_ARGS, "--disable-log-stats"], tmp_path / "server.log")
+    engine_pid = srv.engine_pid
+    started = threading.Event()
+
+    def stream_forever():
+        body = {"prompt": "Once upon a time", "max_tokens": 900, "stream": True,
+                "ignore_eos": True}
+        try:
+            with httpx.stream("POST", f"{srv.base_url}/v1/completions", json=body,
+                              timeout=120) as r:
+                for _ in r.iter_lines():
+                    started.set()
+        except httpx.HTTPError:
+            pass
+
+    t = threading.Thread(target=stream_forever, daemon=True)
+    t.start()
+    assert started.wait(120)
+    code = srv.stop(sig, timeout_s=60)
+    assert code == 0, srv.log()
+    assert wait_until(lambda: not pid_alive(engine_pid), timeout_s=10)
+    t.join(30)
+    assert not t.is_alive()
