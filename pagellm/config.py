@@ -230,6 +230,7 @@ class EngineArgs:
         source = resolve_model_source(self.model)
         hf_config = load_hf_config(source)
         dtype = resolve_dtype(self.dtype, hf_config, device)
+        check_tensor_parallel(self.tensor_parallel_size, hf_config, device, self.device)
 
         context_len = _model_context_len(hf_config)
         max_model_len = self.max_model_len or context_len
@@ -240,13 +241,14 @@ class EngineArgs:
                 f"--max-model-len {max_model_len} is larger than the model's context length "
                 f"({context_len}). Lower --max-model-len, or set "
                 "PAGELLM_ALLOW_LONG_MAX_MODEL_LEN=1 if you know the model extrapolates.")
-        max_num_seqs = self.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-        if max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {max_num_seqs}.")
         max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         if max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be >= 1, "
                              f"got {max_num_batched_tokens}.")
+        # Unset, the sequence limit follows a small token budget down instead of failing.
+        max_num_seqs = self.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens)
+        if max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {max_num_seqs}.")
         if max_num_batched_tokens < max_num_seqs:
             # Every running request needs one token per step for decode.
             raise ValueError(
@@ -284,3 +286,41 @@ def attention_backend_unavailable(name: str, device: torch.device) -> bool:
     if device.type == "cuda":
         return False
     return os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def check_tensor_parallel(tp: int, hf_config: Any, device: torch.device, device_flag: str,
+                          num_cuda_devices: int | None = None) -> None:
+    """Refuse a --tensor-parallel-size the model or the machine cannot be split over.
+
+    Attention heads and the MLP width must divide evenly; K/V heads either divide over the ranks
+    or, when there are fewer of them than ranks, are replicated (the ranks must then be a
+    multiple of them). On CUDA each rank needs its own GPU (cuda:0 .. cuda:N-1).
+    """
+    if tp == 1:
+        return
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    inter = getattr(hf_config, "intermediate_size", None)
+
+    def fits(n: int) -> bool:
+        kv_ok = kv_heads % n == 0 or n % kv_heads == 0
+        return heads % n == 0 and kv_ok and (inter is None or int(inter) % n == 0)
+
+    if not fits(tp):
+        valid = [n for n in range(1, heads + 1) if fits(n)]
+        raise ValueError(
+            f"--tensor-parallel-size {tp} cannot split this model: it needs to divide "
+            f"num_attention_heads ({heads}) and intermediate_size ({inter}), and to divide or be "
+            f"a multiple of num_key_value_heads ({kv_heads}). Valid sizes: "
+            f"{', '.join(map(str, valid))}.")
+    if device.type == "cuda":
+        import torch
+
+        if device_flag not in ("auto", "cuda"):
+            raise ValueError(f"--device {device_flag} with --tensor-parallel-size {tp}: rank r "
+                             "runs on cuda:r; pass --device cuda and choose the GPUs with "
+                             "CUDA_VISIBLE_DEVICES.")
+        count = torch.cuda.device_count() if num_cuda_devices is None else num_cuda_devices
+        if tp > count:
+            raise ValueError(f"--tensor-parallel-size {tp} needs {tp} GPUs (one per rank), but "
+                             f"{count} CUDA device(s) are visible.")

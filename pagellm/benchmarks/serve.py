@@ -17,7 +17,7 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -231,7 +231,7 @@ def format_summary(s: dict[str, Any]) -> str:
         name = key.split("_")[0].upper()
         lines.append("{:-^60}".format(f" {title} "))
         for stat in ("mean", "median", "p90", "p99"):
-            label = "Median" if stat == "median" else stat.capitalize().replace("P", "P")
+            label = {"mean": "Mean", "median": "Median", "p90": "P90", "p99": "P99"}[stat]
             lines.append(f"{f'{label} {name} (ms):':<{w}}{s[key][stat]:.2f}")
     for err in s["errors"]:
         lines.append(f"error: {err}")
@@ -267,7 +267,14 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def run_bench_serve(ns: argparse.Namespace) -> dict[str, Any]:
+def run_bench_serve(ns: argparse.Namespace) -> int:
+    """The ``pagellm bench serve`` command: prints the report (and writes --output-json)."""
+    bench_serve(ns)
+    return 0
+
+
+def bench_serve(ns: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark described by the parsed flags; returns the summary."""
     if ns.num_prompts < 1:
         raise SystemExit("error: --num-prompts must be >= 1")
     if ns.request_rate <= 0:
@@ -289,5 +296,5 @@ def run_bench_serve(ns: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
-__all__ = ["BenchRequest", "RequestResult", "add_bench_serve_parser", "asdict", "benchmark",
+__all__ = ["BenchRequest", "RequestResult", "add_bench_serve_parser", "bench_serve", "benchmark",
            "load_dataset", "run_bench_serve", "summarize"]

@@ -25,3 +25,20 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x, group=get_tp_group())
     return torch.cat(parts, dim=dim)
+
+
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``x`` on every rank (``x`` gives the shape and dtype on the others)."""
+    if get_tp_size() > 1:
+        x = x.contiguous()
+        dist.broadcast(x, src=0, group=get_tp_group())
+    return x
+
+
+def all_reduce_min(value: int, device: torch.device) -> int:
+    """The smallest ``value`` over the tensor-parallel ranks."""
+    if get_tp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=get_tp_group())
+    return int(t.item())

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagellm.config import EngineConfig
-from pagellm.core.sched_output import EngineCoreOutput
+from pagellm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import Request, RequestStatus
@@ -60,13 +60,27 @@ class EngineCore:
             return []
         start = time.perf_counter()
         sched_output = self.scheduler.schedule()
+        num_prefill = self._num_prefill_tokens(sched_output)  # before finished requests go
         runner_output = self.executor.execute_model(sched_output)
         outputs = self.scheduler.update_from_output(sched_output, runner_output)
-        self._count(sched_output, outputs)
+        self._count(num_prefill, outputs)
         self.stats.step_time_s += time.perf_counter() - start
         return outputs
 
-    def _count(self, sched_output, outputs: list[EngineCoreOutput]) -> None:
+    def _num_prefill_tokens(self, so: SchedulerOutput) -> int:
+        """Scheduled tokens at prompt positions: prompt tokens computed this step (prefix-cache
+        hits are never scheduled; a 1-token last prefill chunk still counts, recomputed output
+        tokens after a preemption do not)."""
+        counts = so.num_scheduled_tokens
+        n = sum(max(0, min(counts[r.req_id], len(r.prompt_token_ids) - r.num_computed_tokens))
+                for r in so.scheduled_new_reqs)
+        cached = so.scheduled_cached_reqs
+        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            num_prompt = self.scheduler.requests[req_id].num_prompt_tokens
+            n += max(0, min(counts[req_id], num_prompt - num_computed))
+        return n
+
+    def _count(self, num_prefill: int, outputs: list[EngineCoreOutput]) -> None:
         st = self.stats
         st.num_steps += 1
         num_gen = 0
@@ -75,10 +89,7 @@ class EngineCore:
             if out.finish_reason is not None:
                 st.num_finished[out.finish_reason] = st.num_finished.get(out.finish_reason, 0) + 1
         st.num_generation_tokens += num_gen
-        # Every scheduled token that is not a running request's single decode token is prefill.
-        counts = sched_output.num_scheduled_tokens
-        num_decode = sum(1 for r in sched_output.scheduled_cached_reqs.req_ids if counts[r] == 1)
-        st.num_prompt_tokens += sched_output.total_num_scheduled_tokens - num_decode
+        st.num_prompt_tokens += num_prefill
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

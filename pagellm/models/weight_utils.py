@@ -26,18 +26,23 @@ def _checkpoint_files(folder: str) -> list[str]:
 
 
 def safetensors_weights_iterator(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, cpu tensor)`` for every tensor of the checkpoint in ``folder``.
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint in ``folder``.
 
+    Safetensors tensors come as ``LazyTensor``: a tensor-parallel weight_loader that narrows or
+    slices one reads only its rank's slice from the file; any other use reads the whole tensor.
+    Use each one before the iterator moves on (its file closes behind it).
     Falls back to ``pytorch_model*.bin`` files (loaded with ``weights_only=True``).
     """
     from safetensors import safe_open
+
+    from pagellm.models.lazy_tensor import LazyTensor
 
     files = _checkpoint_files(folder)
     if files:
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name)
+                    yield name, LazyTensor(f.get_slice(name))  # type: ignore[misc]
         return
     bins = sorted(n for n in os.listdir(folder) if n.startswith("pytorch_model")
                   and n.endswith(".bin"))

@@ -1,4 +1,5 @@
-"""Executors run the model runner(s): in-process for one rank; one process per rank for TP."""
+"""Executors run the model runner(s): in-process for one rank; one process per rank for TP
+(``MultiprocExecutor``, in multiproc_executor.py)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class UniProcExecutor:
 
 def make_executor(config: EngineConfig, eos_token_id: int | None) -> Executor:
     if config.parallel.tensor_parallel_size > 1:
-        raise ValueError("--tensor-parallel-size > 1 is not supported yet (tensor parallelism is "
-                         "tracked separately); use --tensor-parallel-size 1.")
+        from pagellm.worker.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config, eos_token_id)
     return UniProcExecutor(config, eos_token_id)

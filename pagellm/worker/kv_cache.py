@@ -12,7 +12,8 @@ from pagellm.worker.memory_plan import (
     GiB,
     KVCachePlan,
     check_fits,
-    default_cpu_kv_budget,
+    cpu_memory_budget,
+    cuda_memory_budget,
     kv_bytes_per_token,
     log_plan,
     plan_kv_cache,
@@ -40,19 +41,22 @@ def plan_for_device(config: EngineConfig, weight_bytes: int,
         activation = profile_peak_activation()
         free, total = torch.cuda.mem_get_info(device)
         non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
-        budget = int(total * cache.gpu_memory_utilization) - weight_bytes - activation - non_torch
+        budget = cuda_memory_budget(total, cache.gpu_memory_utilization, weight_bytes,
+                                    activation, non_torch)
         logger.info("GPU memory: total %.2f GiB x %.2f; weights %.2f GiB, peak activations "
                     "%.2f GiB, non-torch %.2f GiB -> KV %.2f GiB", total / GiB,
                     cache.gpu_memory_utilization, weight_bytes / GiB, activation / GiB,
-                    non_torch / GiB, budget / GiB)
+                    non_torch / GiB, budget.kv_budget_bytes / GiB)
         flag = "--gpu-memory-utilization"
-        budget = max(0, budget)
     else:
-        budget = cache.kv_cache_memory or default_cpu_kv_budget()
+        budget = cpu_memory_budget(cache.kv_cache_memory, weight_bytes)
         flag = "--kv-cache-memory"
-    plan = plan_kv_cache(budget, per_token, cache.block_size, config.model.max_model_len,
-                         cache.num_gpu_blocks_override)
+    plan = plan_kv_cache(budget.kv_budget_bytes, per_token, cache.block_size,
+                         config.model.max_model_len, cache.num_gpu_blocks_override)
     log_plan(plan, str(device))
+    from pagellm.planning.report import log_planned_vs_measured
+
+    log_planned_vs_measured(config, budget, plan)  # `pagellm plan`'s table, measured beside
     check_fits(plan, flag)
     return plan
 

@@ -1,6 +1,9 @@
 """KV cache sizing: the one piece of arithmetic shared by the engine's start-up and `pagellm plan`.
 
 KV bytes per token = 2 (K and V) x layers x kv_heads (on this rank) x head_dim x dtype bytes.
+KV budget on CUDA = gpu_memory_utilization x total - weights - peak activations - non-torch memory;
+on CPU it is the explicit --kv-cache-memory or a safe share of the free RAM. The engine fills a
+MemoryBudget with measured numbers, `pagellm plan` with estimates; both then call plan_kv_cache.
 """
 
 from __future__ import annotations
@@ -97,8 +100,45 @@ def available_host_memory() -> int:
     return 8 * GiB
 
 
-def default_cpu_kv_budget() -> int:
-    return int(min(DEFAULT_CPU_KV_CAP, DEFAULT_CPU_KV_FRACTION * available_host_memory()))
+def default_cpu_kv_budget(available_bytes: int | None = None) -> int:
+    """A quarter of the available host memory (measured now unless given), at most 8 GiB."""
+    available = available_host_memory() if available_bytes is None else available_bytes
+    return max(0, int(min(DEFAULT_CPU_KV_CAP, DEFAULT_CPU_KV_FRACTION * available)))
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Where one rank's memory goes. On CPU the KV budget is explicit, so activations and
+    overhead are not subtracted (None when not measured)."""
+
+    device_type: str  # "cpu" or "cuda"
+    total_bytes: int  # one GPU's memory, or the host memory available
+    gpu_memory_utilization: float | None
+    weight_bytes: int
+    activation_bytes: int | None
+    non_torch_bytes: int | None
+    kv_budget_bytes: int
+
+    def as_dict(self) -> dict[str, float | int | str | None]:
+        return asdict(self)
+
+
+def cuda_memory_budget(total_bytes: int, gpu_memory_utilization: float, weight_bytes: int,
+                       activation_bytes: int, non_torch_bytes: int) -> MemoryBudget:
+    usable = int(total_bytes * gpu_memory_utilization)
+    kv = max(0, usable - weight_bytes - activation_bytes - non_torch_bytes)
+    return MemoryBudget("cuda", total_bytes, gpu_memory_utilization, weight_bytes,
+                        activation_bytes, non_torch_bytes, kv)
+
+
+def cpu_memory_budget(kv_cache_memory: int | None, weight_bytes: int,
+                      available_bytes: int | None = None,
+                      activation_bytes: int | None = None) -> MemoryBudget:
+    """``available_bytes``: host memory free once the weights are loaded (measured now when
+    None, which is what the engine does after loading them)."""
+    available = available_host_memory() if available_bytes is None else available_bytes
+    kv = kv_cache_memory or default_cpu_kv_budget(available)
+    return MemoryBudget("cpu", available, None, weight_bytes, activation_bytes, None, kv)
 
 
 def log_plan(plan: KVCachePlan, device: str) -> None:

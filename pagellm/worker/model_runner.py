@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -11,9 +12,11 @@ import torch
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.distributed.communication import all_reduce_min, broadcast_from_rank0
+from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagellm.forward_context import set_forward_context
 from pagellm.sample.metadata import SamplingMetadata
-from pagellm.sample.sampler import Sampler, logprobs_record
+from pagellm.sample.sampler import Sampler, SamplerOutput, logprobs_record
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
 from pagellm.worker.kv_cache import allocate_kv_caches, plan_for_device
 
@@ -23,6 +26,7 @@ logger = logging.getLogger("pagellm")
 class ModelRunner:
     def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
         from pagellm.attention import registry
+        from pagellm.models.lazy_tensor import checkpoint_bytes_read
         from pagellm.models.loader import build_model
 
         self.config = config
@@ -33,15 +37,21 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         registry.set_default_backend(config.device.attention_backend)
         torch.manual_seed(config.model.seed)
+        # Tensor parallelism: every rank runs the forward; only rank 0 samples (see _sample).
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        read_before = checkpoint_bytes_read()
         start = time.perf_counter()
         self.model = build_model(config.model.hf_config, config.model.source, self.dtype,
                                  self.device, config.model.load_format)
         self.model.eval()
         self.load_seconds = time.perf_counter() - start
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.info("Loaded %s in %.1f s: %.1f MiB of weights as %s on %s",
-                    config.model.architecture, self.load_seconds, self.weight_bytes / 2**20,
-                    str(self.dtype).removeprefix("torch."), self.device)
+        self.checkpoint_bytes_read = checkpoint_bytes_read() - read_before
+        rank = f" (tp rank {self.tp_rank}/{self.tp_size})" if self.tp_size > 1 else ""
+        logger.info("Loaded %s in %.1f s: %.1f MiB of weights as %s on %s%s; read %.1f MiB of "
+                    "checkpoint", config.model.architecture, self.load_seconds,
+                    self.weight_bytes / 2**20, str(self.dtype).removeprefix("torch."),
+                    self.device, rank, self.checkpoint_bytes_read / 2**20)
         sched = config.scheduler
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
         self.sampler = Sampler()
@@ -53,6 +63,13 @@ class ModelRunner:
         """Plan the KV budget for this device, refuse configurations that cannot serve one request
         of max_model_len, allocate the per-layer caches and return the number of blocks."""
         plan = plan_for_device(self.config, self.weight_bytes, self._profile_peak_activation)
+        if self.tp_size > 1:
+            # Ranks may measure different free memory; the scheduler has one block pool.
+            agreed = all_reduce_min(plan.num_blocks, self.device)
+            if agreed != plan.num_blocks:
+                logger.info("tp rank %d: %d KV blocks -> %d (the smallest rank's)",
+                            self.tp_rank, plan.num_blocks, agreed)
+                plan = dataclasses.replace(plan, num_blocks=agreed)
         self.kv_caches = allocate_kv_caches(self.config, plan.num_blocks, self.device, self.dtype)
         self.num_blocks = plan.num_blocks
         self.kv_plan = plan
@@ -159,33 +176,45 @@ class ModelRunner:
             idx = torch.from_numpy(logits_indices).to(self.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
             sample_states = [states[i] for i in sample_rows]
-            for s in sample_states:
-                if s.generator is not None:
-                    # Seeded noise depends only on (seed, output position): the same tokens
-                    # whatever the batch, and again after a preemption.
-                    s.generator.manual_seed(_step_seed(s.sampling_params.seed,
-                                                       len(s.output_token_ids)))
-            smeta = SamplingMetadata.build(
-                params=[s.sampling_params for s in sample_states],
-                prompt_token_ids=[batch.prompt_token_ids(s) if _needs_prompt(s) else []
-                                  for s in sample_states],
-                output_token_ids=[s.output_token_ids for s in sample_states],
-                generators=[s.generator for s in sample_states],
-                eos_token_ids=[self.eos_token_id] * len(sample_states),
-                vocab_size=self.vocab_size, device=self.device,
-            )
-            out = self.sampler(logits, smeta)
-            tokens = out.sampled_token_ids.tolist()
+            out = self._sample(logits, sample_states) if self.tp_rank == 0 else None
+            if self.tp_size > 1:
+                # Rank 0's tokens keep every rank's persistent batch identical.
+                ids = (out.sampled_token_ids if out is not None else
+                       torch.empty(len(sample_states), dtype=torch.long, device=self.device))
+                tokens = broadcast_from_rank0(ids).tolist()
+            else:
+                assert out is not None
+                tokens = out.sampled_token_ids.tolist()
             for j, (i, state) in enumerate(zip(sample_rows.tolist(), sample_states,
                                                strict=True)):
                 tok = int(tokens[j])
                 batch.append_token(state, tok)
                 sampled[i] = [tok]
-                if state.sampling_params.logprobs is not None:
+                if out is not None and state.sampling_params.logprobs is not None:
                     logprobs[i] = logprobs_record(out, j, state.sampling_params.logprobs)
         for state in states:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
         return ModelRunnerOutput(req_ids=order, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sample(self, logits: torch.Tensor, sample_states: list[CachedRequestState]
+                ) -> SamplerOutput:
+        for s in sample_states:
+            if s.generator is not None:
+                # Seeded noise depends only on (seed, output position): the same tokens
+                # whatever the batch, and again after a preemption.
+                s.generator.manual_seed(_step_seed(s.sampling_params.seed,
+                                                   len(s.output_token_ids)))
+        batch = self.input_batch
+        smeta = SamplingMetadata.build(
+            params=[s.sampling_params for s in sample_states],
+            prompt_token_ids=[batch.prompt_token_ids(s) if _needs_prompt(s) else []
+                              for s in sample_states],
+            output_token_ids=[s.output_token_ids for s in sample_states],
+            generators=[s.generator for s in sample_states],
+            eos_token_ids=[self.eos_token_id] * len(sample_states),
+            vocab_size=self.vocab_size, device=self.device,
+        )
+        return self.sampler(logits, smeta)
 
 
 def _step_seed(seed: int | None, position: int) -> int:

@@ -17,6 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 # The default model, small settings: 135M parameters, fp32 on the CPU.
 TINY_ARGS = ["--dtype", "float32", "--kv-cache-memory", "512MiB", "--max-model-len", "1024"]
 START_TIMEOUT_S = 600.0
+SERVE_MODULE = ("pagellm.entrypoints.openai.cli_serve",)
+PAGELLM_SERVE = ("pagellm.entrypoints.cli", "serve")  # the `pagellm serve` command itself
 
 
 def free_port() -> int:
@@ -26,13 +28,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 command: tuple[str, ...] = SERVE_MODULE):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-        cmd = [sys.executable, "-m", "pagellm.entrypoints.openai.cli_serve", *args,
+        cmd = [sys.executable, "-m", *command, *args,
                "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self._log,
                                      stderr=subprocess.STDOUT)

@@ -15,6 +15,8 @@ import openai
 import pytest
 from server_utils import TINY_ARGS, ServerProcess, metric, pid_alive, scrape, wait_until
 
+from pagellm.benchmarks.serve import benchmark, load_dataset
+
 API_KEY = "test-key-123"
 PROMPT = "The capital of France is"
 
@@ -332,6 +334,16 @@ def test_client_disconnects_abort_requests(server, client):
     r = client.completions.create(model="smol", prompt="Hi", max_tokens=2)
     assert r.choices[0].finish_reason in ("length", "stop")
     assert time.monotonic() - start < 60
+
+
+def test_bench_serve_against_this_server(server):
+    requests = load_dataset("random", 4, 8, 3, 1000, 0.0, seed=0)
+    summary = asyncio.run(benchmark(server.base_url, requests, api_key=API_KEY,
+                                    max_concurrency=2, ignore_eos=True))
+    assert summary["completed"] == 4 and summary["failed"] == 0
+    assert summary["model"] == "smol"
+    assert summary["total_input_tokens"] == 32 and summary["total_output_tokens"] == 12
+    assert 0 < summary["ttft_ms"]["mean"] <= summary["e2e_latency_ms"]["mean"]
 
 
 def test_engine_death_gives_503_then_exit(server):

@@ -11,7 +11,7 @@ import threading
 
 import httpx
 import pytest
-from server_utils import REPO, TINY_ARGS, ServerProcess, pid_alive, wait_until
+from server_utils import PAGELLM_SERVE, REPO, TINY_ARGS, ServerProcess, pid_alive, wait_until
 
 from pagellm.entrypoints.cli_args import engine_args_from
 from pagellm.entrypoints.openai.cli_serve import add_serve_parser
@@ -51,10 +51,20 @@ def test_bad_flag_value_exits_with_a_clear_message():
     assert "--max-model-len 999999" in r.stderr
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_signal_shuts_down_cleanly_mid_request(tmp_path, sig):
-    srv = ServerProcess([*TINY_ARGS, "--disable-log-stats"], tmp_path / "server.log")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+    srv = ServerProcess([*TINY_ARGS, "--disable-log-stats", "--enable-log-requests",
+                         "--chat-template", str(template)], tmp_path / "server.log",
+                        command=PAGELLM_SERVE)
     engine_pid = srv.engine_pid
+    # --chat-template replaces the tokenizer's template.
+    chat = httpx.post(f"{srv.base_url}/tokenize",
+                      json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    plain = httpx.post(f"{srv.base_url}/tokenize",
+                       json={"prompt": "<<hi>>", "add_special_tokens": False}).json()
+    assert chat["tokens"] == plain["tokens"]
     started = threading.Event()
 
     def stream_forever():
@@ -72,7 +82,9 @@ def test_signal_shuts_down_cleanly_mid_request(tmp_path, sig):
     t.start()
     assert started.wait(120)
     code = srv.stop(sig, timeout_s=60)
-    assert code == 0, srv.log()
+    # SIGKILL cannot be handled: the engine process still goes (parent-death signal).
+    assert code == (-9 if sig == signal.SIGKILL else 0), srv.log()
     assert wait_until(lambda: not pid_alive(engine_pid), timeout_s=10)
     t.join(30)
     assert not t.is_alive()
+    assert "Received request cmpl-" in srv.log()  # --enable-log-requests

@@ -1,0 +1,228 @@
+"""The plan itself: model spec + target device + engine flags -> one RankPlan per rank.
+
+The KV arithmetic is the engine's own (pagellm.worker.memory_plan): the same MemoryBudget and
+plan_kv_cache, fed with estimates here and with measured numbers at engine start-up.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from pagellm.planning.devices import (
+    DeviceTarget,
+    estimate_activation_bytes,
+    estimate_overhead_bytes,
+    parse_device,
+)
+from pagellm.planning.model_spec import ModelSpec, load_model_spec
+from pagellm.planning.weights import WeightBreakdown, num_parameters, weight_bytes_per_rank
+from pagellm.worker.memory_plan import (
+    KVCachePlan,
+    MemoryBudget,
+    cpu_memory_budget,
+    cuda_memory_budget,
+    kv_bytes_per_token,
+    plan_kv_cache,
+)
+
+if TYPE_CHECKING:
+    from pagellm.config import EngineArgs, EngineConfig
+
+# Fewer max-model-len requests than this at once is "tight": still fits, but worth a look.
+TIGHT_CONCURRENCY = 4.0
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The engine flags that shape memory, resolved (no "auto" left)."""
+
+    dtype: str  # "float32", "bfloat16" or "float16"
+    quantization: str
+    tensor_parallel_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    gpu_memory_utilization: float
+    kv_cache_memory: int | None
+    num_gpu_blocks_override: int | None = None
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    weights: WeightBreakdown
+    budget: MemoryBudget
+    kv: KVCachePlan
+
+    @property
+    def status(self) -> str:
+        if not self.kv.fits:
+            return "does not fit"
+        return "tight" if self.kv.max_concurrency < TIGHT_CONCURRENCY else "fits"
+
+    def as_dict(self) -> dict[str, Any]:
+        b = self.budget
+        return {
+            "rank": self.rank, "weight_bytes": self.weights.total,
+            "weight_breakdown": self.weights.as_dict(), "activation_bytes": b.activation_bytes,
+            "overhead_bytes": b.non_torch_bytes, "total_bytes": b.total_bytes,
+            "gpu_memory_utilization": b.gpu_memory_utilization,
+            "kv_bytes_per_token": self.kv.kv_bytes_per_token,
+            "kv_budget_bytes": self.kv.kv_budget_bytes, "block_size": self.kv.block_size,
+            "num_blocks": self.kv.num_blocks, "token_capacity": self.kv.token_capacity,
+            "max_model_len": self.kv.max_model_len,
+            "max_concurrency": round(self.kv.max_concurrency, 3), "fits": self.kv.fits,
+            "status": self.status,
+        }
+
+
+@dataclass
+class PlanReport:
+    spec: ModelSpec
+    device: DeviceTarget
+    settings: PlanSettings
+    ranks: list[RankPlan]
+    warnings: list[str] = field(default_factory=list)
+    suggestions: list[Any] = field(default_factory=list)  # recommend.Suggestion
+    traffic: Any = None  # recommend.TrafficAdvice
+
+    @property
+    def fits(self) -> bool:
+        return all(r.kv.fits for r in self.ranks)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": dict(self.spec.as_dict(), num_parameters=num_parameters(self.spec)),
+            "device": self.device.as_dict(), "settings": asdict(self.settings),
+            "ranks": [r.as_dict() for r in self.ranks], "fits": self.fits,
+            "suggestions": [s.as_dict() for s in self.suggestions],
+            "traffic": self.traffic.as_dict() if self.traffic is not None else None,
+            "warnings": self.warnings,
+        }
+
+
+def plan_rank(spec: ModelSpec, device: DeviceTarget, s: PlanSettings, rank: int = 0) -> RankPlan:
+    tp = s.tensor_parallel_size
+    weights = weight_bytes_per_rank(spec, s.dtype_bytes, tp, s.quantization)
+    activation = estimate_activation_bytes(spec, s.dtype_bytes, tp, s.max_num_batched_tokens,
+                                           s.max_num_seqs)
+    if device.kind == "cuda":
+        budget = cuda_memory_budget(device.total_bytes, s.gpu_memory_utilization, weights.total,
+                                    activation, estimate_overhead_bytes("cuda", tp))
+    else:
+        # NOTE: the engine measures free RAM after loading the weights; we subtract them.
+        budget = cpu_memory_budget(s.kv_cache_memory, weights.total,
+                                   max(0, device.total_bytes - weights.total), activation)
+    per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                   s.dtype_bytes, tp)
+    kv = plan_kv_cache(budget.kv_budget_bytes, per_token, s.block_size, s.max_model_len,
+                       s.num_gpu_blocks_override)
+    return RankPlan(rank, weights, budget, kv)
+
+
+def plan_ranks(spec: ModelSpec, device: DeviceTarget, s: PlanSettings) -> list[RankPlan]:
+    """Every rank holds the same shard sizes (vocab padded to a multiple of tp), so one plan
+    is computed and repeated per rank."""
+    one = plan_rank(spec, device, s)
+    return [replace(one, rank=r) for r in range(s.tensor_parallel_size)]
+
+
+def resolve_settings(args: EngineArgs, spec: ModelSpec, device: DeviceTarget,
+                     quantization: str = "none") -> PlanSettings:
+    """EngineArgs -> PlanSettings with the engine's defaults and checks (see
+    EngineArgs.create_engine_config, which needs the whole transformers config)."""
+    import torch
+
+    from pagellm.config import (
+        DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        DEFAULT_MAX_NUM_SEQS,
+        parse_size,
+        resolve_dtype,
+    )
+
+    if args.block_size not in (1, 8, 16, 32, 64, 128):
+        raise ValueError(f"--block-size must be one of 1, 8, 16, 32, 64, 128, "
+                         f"got {args.block_size}.")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ValueError("--gpu-memory-utilization must be in (0, 1], "
+                         f"got {args.gpu_memory_utilization}.")
+    max_model_len = args.max_model_len or spec.context_len
+    if max_model_len < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {max_model_len}.")
+    if max_model_len > spec.context_len and not os.environ.get("PAGELLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        raise ValueError(
+            f"--max-model-len {max_model_len} is larger than the model's context length "
+            f"({spec.context_len}). Lower --max-model-len, or set "
+            "PAGELLM_ALLOW_LONG_MAX_MODEL_LEN=1 if you know the model extrapolates.")
+    max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if max_num_seqs < 1:
+        raise ValueError(f"--max-num-seqs must be >= 1, got {max_num_seqs}.")
+    if batched < max_num_seqs:
+        raise ValueError(
+            f"--max-num-batched-tokens ({batched}) must be >= --max-num-seqs "
+            f"({max_num_seqs}) so every running sequence can decode each step.")
+    dtype = resolve_dtype(args.dtype, _DtypeHint(spec.config_dtype), torch.device(device.kind))
+    return PlanSettings(
+        dtype=str(dtype).removeprefix("torch."), quantization=quantization,
+        tensor_parallel_size=args.tensor_parallel_size, max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=batched, block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=parse_size(args.kv_cache_memory),
+        num_gpu_blocks_override=args.num_gpu_blocks_override)
+
+
+@dataclass(frozen=True)
+class _DtypeHint:
+    """What resolve_dtype reads from a transformers config."""
+
+    torch_dtype: Any
+
+
+def plan_from_args(args: EngineArgs, device: str = "auto",
+                   quantization: str = "none") -> PlanReport:
+    """``pagellm plan``: read the config, resolve the flags, plan every rank, add warnings."""
+    spec, _ = load_model_spec(args.model)
+    target = parse_device(device)
+    settings = resolve_settings(args, spec, target, quantization)
+    report = PlanReport(spec, target, settings, plan_ranks(spec, target, settings))
+    if not spec.engine_supported:
+        report.warnings.append(f"{spec.architecture} is not an architecture the engine runs; "
+                               "the estimate assumes a Llama-style layout.")
+    if quantization != "none":
+        report.warnings.append(f"--quantization {quantization} is a what-if: the engine loads "
+                               "weights in the model dtype today.")
+    if spec.checkpoint_format.startswith("gguf"):
+        report.warnings.append(f"the checkpoint is {spec.checkpoint_format}; the engine "
+                               f"dequantizes it to {settings.dtype} when loading.")
+    if target.kind == "cpu":
+        need = report.ranks[0].weights.total + report.ranks[0].kv.kv_budget_bytes
+        if need > target.total_bytes:
+            report.warnings.append("weights + KV cache exceed the host memory available now.")
+    return report
+
+
+def planned_for_engine(config: EngineConfig, measured: MemoryBudget) -> RankPlan:
+    """The plan `pagellm plan` would print for a running engine's config on its device; the
+    device memory is the measured one (on CPU: free RAM before the weights were loaded)."""
+    m, c, sch = config.model, config.cache, config.scheduler
+    spec = ModelSpec.from_hf_config(m.hf_config, m.served_model_name)
+    kind = config.device.device.type
+    settings = PlanSettings(
+        dtype=str(m.dtype).removeprefix("torch."), quantization="none",
+        tensor_parallel_size=config.parallel.tensor_parallel_size,
+        max_model_len=m.max_model_len, max_num_seqs=sch.max_num_seqs,
+        max_num_batched_tokens=sch.max_num_batched_tokens, block_size=c.block_size,
+        gpu_memory_utilization=c.gpu_memory_utilization, kv_cache_memory=c.kv_cache_memory,
+        num_gpu_blocks_override=c.num_gpu_blocks_override)
+    total = measured.total_bytes + (measured.weight_bytes if kind == "cpu" else 0)
+    target = DeviceTarget(str(config.device.device), kind, total, "this device")
+    return plan_rank(spec, target, settings)

@@ -1,0 +1,106 @@
+"""Weight bytes of one tensor-parallel rank, from the config alone (no tensors loaded).
+
+The count mirrors the engine's layers (pagellm/layers): q/k/v and gate/up are column-parallel
+(K/V heads replicated when there are fewer than ranks), o and down are row-parallel with their
+bias replicated, the vocab-parallel embedding and LM head hold ceil(vocab / tp) rows each (the
+last rank's padding included, so every rank is the same size), and norms are replicated. A tied
+LM head shares the embedding's tensor and costs nothing more.
+
+Quantization is weight-only and applies to the decoder's linear layers; embeddings, LM head,
+norms and biases stay in the model dtype (as AWQ/GPTQ-style checkpoints keep them):
+- int8: 1 byte per weight + one fp16 scale per output channel;
+- int4: half a byte per weight + one fp16 scale per group of 128 input weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from pagellm.planning.model_spec import ModelSpec
+from pagellm.worker.memory_plan import kv_heads_per_rank
+
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP_SIZE = 128
+SCALE_BYTES = 2  # fp16 scales
+
+
+def linear_weight_bytes(out_features: int, in_features: int, dtype_bytes: int,
+                        quantization: str = "none") -> int:
+    """Bytes of one ``[out_features, in_features]`` weight (no bias)."""
+    if quantization == "none":
+        return out_features * in_features * dtype_bytes
+    if quantization == "int8":
+        return out_features * in_features + out_features * SCALE_BYTES
+    if quantization == "int4":
+        groups = math.ceil(in_features / INT4_GROUP_SIZE)
+        return math.ceil(out_features * in_features / 2) + out_features * groups * SCALE_BYTES
+    raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                     f"got {quantization!r}.")
+
+
+def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
+    """The divisibility the engine's parallel layers demand, as one clear error."""
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}.")
+    problems = []
+    if spec.num_heads % tp:
+        problems.append(f"num_attention_heads ({spec.num_heads})")
+    if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
+        problems.append(f"num_key_value_heads ({spec.num_kv_heads}; or tp a multiple of it)")
+    if spec.intermediate_size % tp:
+        problems.append(f"intermediate_size ({spec.intermediate_size})")
+    if problems:
+        raise ValueError(f"--tensor-parallel-size {tp} does not divide "
+                         f"{', '.join(problems)} of {spec.name}.")
+
+
+def valid_tensor_parallel(spec: ModelSpec, tp: int) -> bool:
+    try:
+        check_tensor_parallel(spec, tp)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class WeightBreakdown:
+    """Bytes held by one rank, by part."""
+
+    embedding: int
+    lm_head: int
+    attention: int
+    mlp: int
+    norms: int
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.lm_head + self.attention + self.mlp + self.norms
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(asdict(self), total=self.total)
+
+
+def weight_bytes_per_rank(spec: ModelSpec, dtype_bytes: int, tp: int = 1,
+                          quantization: str = "none") -> WeightBreakdown:
+    check_tensor_parallel(spec, tp)
+    h, hd, q, b = spec.hidden_size, spec.head_dim, quantization, dtype_bytes
+    heads = spec.num_heads // tp
+    kv = kv_heads_per_rank(spec.num_kv_heads, tp)
+    inter = spec.intermediate_size // tp
+    qkv_out = (heads + 2 * kv) * hd
+    attention = (linear_weight_bytes(qkv_out, h, b, q) + linear_weight_bytes(h, heads * hd, b, q)
+                 + (qkv_out * b if spec.qkv_bias else 0) + (h * b if spec.o_bias else 0))
+    mlp = (linear_weight_bytes(2 * inter, h, b, q) + linear_weight_bytes(h, inter, b, q)
+           + ((2 * inter + h) * b if spec.mlp_bias else 0))
+    vocab_rows = math.ceil(spec.vocab_size / tp)
+    embedding = vocab_rows * h * b
+    return WeightBreakdown(
+        embedding=embedding, lm_head=0 if spec.tie_word_embeddings else embedding,
+        attention=spec.num_layers * attention, mlp=spec.num_layers * mlp,
+        norms=(2 * spec.num_layers + 1) * h * b)
+
+
+def num_parameters(spec: ModelSpec) -> int:
+    """Unique parameters of the whole model (tied embeddings counted once)."""
+    return weight_bytes_per_rank(spec, 1, 1).total

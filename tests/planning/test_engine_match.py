@@ -1,0 +1,75 @@
+"""The planner against the real engine: the default model (SmolLM2-135M GGUF) on CPU."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from pagellm.entrypoints.cli import main
+
+FLAGS = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--device", "cpu"]
+
+
+def test_plan_equals_what_the_engine_allocates(capsys, caplog):
+    from pagellm.config import EngineArgs
+    from pagellm.engine.core import EngineCore
+
+    assert main(["plan", *FLAGS, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    config = EngineArgs(kv_cache_memory="256MiB", max_model_len=2048,
+                        device="cpu").create_engine_config()
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        core = EngineCore(config)
+    runner = core.executor.runner
+    rank = plan["ranks"][0]
+    assert plan["settings"]["dtype"] == str(config.model.dtype).removeprefix("torch.")
+    assert rank["num_blocks"] == core.num_blocks == runner.kv_plan.num_blocks
+    assert rank["token_capacity"] == runner.kv_plan.token_capacity
+    assert rank["kv_bytes_per_token"] == runner.kv_plan.kv_bytes_per_token
+    assert rank["kv_budget_bytes"] == 256 * 2**20
+    assert rank["weight_bytes"] == runner.weight_bytes  # weights as loaded (dequantized)
+    assert rank["max_concurrency"] == round(runner.kv_plan.max_concurrency, 3)
+    assert rank["fits"] and plan["fits"]
+
+    # The start-up log shows the same table, planned beside measured.
+    (record,) = [r for r in caplog.records if "vs measured" in r.getMessage()]
+    table = record.getMessage()
+    blocks = re.search(r"blocks of 16 tokens\s+([\d,]+)\s+([\d,]+)", table)
+    assert blocks is not None
+    assert blocks.group(1) == blocks.group(2) == f"{core.num_blocks:,}"
+    weights = re.search(r"weights\s+([\d.]+ \w+)\s+([\d.]+ \w+)", table)
+    assert weights is not None and weights.group(1) == weights.group(2)
+
+    # The spec read from the GGUF header is the one the engine built from transformers' config.
+    from pagellm.planning.model_spec import ModelSpec, load_model_spec
+
+    from_header, _ = load_model_spec(None)
+    from_engine = ModelSpec.from_hf_config(config.model.hf_config, from_header.name,
+                                           from_header.checkpoint_format,
+                                           from_header.checkpoint_bytes)
+    assert from_header == from_engine
+
+
+def test_gguf_header_reader_matches_gguf_reader():
+    from gguf import GGUFReader
+
+    from pagellm.models.loader import default_model_path
+    from pagellm.planning.model_spec import read_gguf_header
+
+    path = default_model_path()
+    meta, tensors = read_gguf_header(path)
+    reader = GGUFReader(path)
+    assert len(tensors) == len(reader.tensors)
+    for t in reader.tensors:
+        mine = tensors[t.name]
+        assert mine.n_bytes == int(t.n_bytes)
+        assert mine.dims == tuple(int(d) for d in t.shape)
+        assert mine.type_name == t.tensor_type.name
+    for key in ("llama.block_count", "llama.embedding_length", "llama.attention.head_count",
+                "llama.attention.head_count_kv", "llama.context_length", "general.architecture"):
+        field = reader.fields[key]
+        value = field.contents() if hasattr(field, "contents") else field.parts[field.data[0]][0]
+        assert meta[key] == value
+    assert meta["tokenizer.ggml.tokens"].array_len == len(reader.fields["tokenizer.ggml.tokens"]
+                                                          .data)
