@@ -97,14 +97,19 @@ class Scheduler:
         cached = CachedRequestData()
         preempted: set[str] = set()
 
+        # A long prefill chunk must not take the tokens of the decodes queued behind it: each
+        # chunk leaves one token per decoding request still to come (no request stalls).
+        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(
-                request.num_tokens - request.num_computed_tokens,
-                budget,
-                self.max_model_len - request.num_computed_tokens,
-            )
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining == 1:
+                decodes_left -= 1
+                room = budget
+            else:
+                room = budget - decodes_left
+            num_new = min(remaining, room, self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:  # nothing to compute until the runner samples its next token
                 i += 1
                 continue

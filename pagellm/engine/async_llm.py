@@ -193,7 +193,12 @@ class AsyncLLM:
             queue, arrival_time=children[0].arrival_time)
         for child in children:
             self.request_stats.add(child.request_id, child.arrival_time, len(ids))
-        self.core.add_requests(children)
+        try:
+            self.core.add_requests(children)
+        except BaseException:
+            self.output_processor.abort_request(request_id)
+            self.request_stats.abort([c.request_id for c in children])
+            raise
         if self.log_requests:
             logger.info("Received request %s: %d prompt tokens, params: %s", request_id,
                         len(ids), params)

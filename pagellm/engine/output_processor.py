@@ -112,9 +112,12 @@ class OutputProcessor:
             if sample.finish_reason is not None:
                 continue
             if out.new_token_ids:
+                if state.first_token_time is None or sample.index == 0:
+                    # n > 1: sample 0's hit, what the prompt found; its siblings hit the blocks
+                    # it computed (that is sharing, not a cache hit).
+                    state.num_cached_tokens = out.num_cached_tokens
                 if state.first_token_time is None:
                     state.first_token_time = now
-                    state.num_cached_tokens = out.num_cached_tokens
                 state.last_token_time = now
                 self._add_logprobs(sample, out.new_logprobs)
                 # EOS / stop token ids: the token stays in token_ids, its text stays out.

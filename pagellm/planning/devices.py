@@ -63,7 +63,7 @@ def parse_device(spec: str) -> DeviceTarget:
     if text == "auto":
         import torch
 
-        text = "cuda" if torch.cuda.is_available() else "cpu"
+        text = spec = "cuda" if torch.cuda.is_available() else "cpu"
     if text == "cpu":
         return DeviceTarget(spec, "cpu", available_host_memory(), "this host")
     if text == "cuda" or text.startswith("cuda:"):

@@ -162,8 +162,10 @@ def resolve_settings(args: EngineArgs, spec: ModelSpec, device: DeviceTarget,
             f"--max-model-len {max_model_len} is larger than the model's context length "
             f"({spec.context_len}). Lower --max-model-len, or set "
             "PAGELLM_ALLOW_LONG_MAX_MODEL_LEN=1 if you know the model extrapolates.")
-    max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
     batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if batched < 1:
+        raise ValueError(f"--max-num-batched-tokens must be >= 1, got {batched}.")
+    max_num_seqs = args.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, batched)
     if max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {max_num_seqs}.")
     if batched < max_num_seqs:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 from pagellm.planning.model_spec import ModelSpec
 from pagellm.worker.memory_plan import kv_heads_per_rank
@@ -40,19 +41,18 @@ def linear_weight_bytes(out_features: int, in_features: int, dtype_bytes: int,
 
 
 def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
-    """The divisibility the engine's parallel layers demand, as one clear error."""
+    """The engine's own check (pagellm.config.check_tensor_parallel), minus the GPU count: a
+    plan targets GPUs this machine need not have."""
+    import torch
+
+    from pagellm.config import check_tensor_parallel as engine_check
+
     if tp < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}.")
-    problems = []
-    if spec.num_heads % tp:
-        problems.append(f"num_attention_heads ({spec.num_heads})")
-    if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
-        problems.append(f"num_key_value_heads ({spec.num_kv_heads}; or tp a multiple of it)")
-    if spec.intermediate_size % tp:
-        problems.append(f"intermediate_size ({spec.intermediate_size})")
-    if problems:
-        raise ValueError(f"--tensor-parallel-size {tp} does not divide "
-                         f"{', '.join(problems)} of {spec.name}.")
+    shape = SimpleNamespace(num_attention_heads=spec.num_heads,
+                            num_key_value_heads=spec.num_kv_heads,
+                            intermediate_size=spec.intermediate_size)
+    engine_check(tp, shape, torch.device("cpu"), "cpu")
 
 
 def valid_tensor_parallel(spec: ModelSpec, tp: int) -> bool:

@@ -105,6 +105,7 @@ class MultiprocExecutor:
     def initialize_kv_cache(self) -> int:
         blocks = self.collective_rpc("initialize_kv_cache")
         assert len(set(blocks)) == 1, f"ranks disagree on the number of KV blocks: {blocks}"
+        self.rank_info = self.collective_rpc("rank_info")  # now with the KV cache's memory
         return blocks[0]
 
     def execute_model(self, sched_output: SchedulerOutput) -> ModelRunnerOutput:

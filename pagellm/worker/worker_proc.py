@@ -125,11 +125,12 @@ def run_worker(args: WorkerArgs) -> None:
         exit_code = _loop(worker, reader, conn, args)
     finally:
         reader.close()
-    if exit_code:
-        os._exit(exit_code)
-    from pagellm.distributed.parallel_state import destroy_tp
+    if exit_code == 0:
+        from pagellm.distributed.parallel_state import destroy_tp
 
-    destroy_tp()
+        destroy_tp()  # gloo aborts a process that exits with its group alive
+    # Skip interpreter teardown (seconds with torch loaded): nothing is left to flush.
+    os._exit(exit_code)
 
 
 def _start(args: WorkerArgs) -> Worker:

@@ -286,3 +286,34 @@ def test_add_request_validation() -> None:
         sched.add_request(make_request("b", list(range(9))))
     with pytest.raises(ValueError, match="prompt_token_ids"):
         sched.add_request(make_request("c", []))
+
+
+def test_long_prefill_never_stalls_running_decodes() -> None:
+    """A running request still prefilling a long prompt leaves room for the decodes behind it."""
+    from types import SimpleNamespace
+
+    from pagellm.core.scheduler import Scheduler
+    from pagellm.request import Request
+    from pagellm.sampling_params import SamplingParams
+
+    sched = Scheduler(SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=64,
+                                      max_model_len=4096),
+                      SimpleNamespace(block_size=16, enable_prefix_caching=False,
+                                      prefix_caching_hash_algo="sha256"), num_blocks=512)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    shorts = [Request(f"s{i}", [1, 2, 3], params, max_tokens=50) for i in range(3)]
+    for r in shorts:
+        sched.add_request(r)
+    out = sched.schedule()  # the three short prompts prefill in one step
+    for r in shorts:  # pretend the runner sampled a token for each
+        r.append_output_token_ids([7])
+    long_req = Request("long", list(range(10, 1010)), params, max_tokens=50)
+    sched.running.insert(0, long_req)  # worst case: the long prefill is first in line
+    sched.kv_cache_manager.allocate_slots(long_req, 16)
+    long_req.num_computed_tokens = 16
+    long_req.status = shorts[0].status
+    sched.requests["long"] = long_req
+    out = sched.schedule()
+    assert all(out.num_scheduled_tokens[r.request_id] == 1 for r in shorts)
+    assert out.num_scheduled_tokens["long"] == 64 - 3
+    assert out.total_num_scheduled_tokens <= 64

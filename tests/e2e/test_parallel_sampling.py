@@ -151,3 +151,23 @@ def test_prompt_blocks_shared_not_copied(model_dir, caching: bool) -> None:
         again = llm.generate({"prompt_token_ids": prompt_ids(prompt_len, 2)},
                              SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
         assert again.num_cached_tokens == 0
+
+
+def test_num_cached_tokens_is_sample_zeros_whatever_the_output_order(tiny_tokenizer) -> None:
+    from pagellm.core.sched_output import EngineCoreOutput
+    from pagellm.engine.output_processor import OutputKind, OutputProcessor
+
+    proc = OutputProcessor(tiny_tokenizer)
+    params = SamplingParams(n=2, max_tokens=2)
+    proc.add_request("r", None, [5, 6, 7], params, ["0_r", "1_r"], OutputKind.CUMULATIVE)
+    # Sibling 1 reports first (it hit the blocks sample 0 computed); then sample 0 (no hit).
+    first = proc.process_outputs([EngineCoreOutput("1_r", [9], num_cached_tokens=16)])
+    second = proc.process_outputs([EngineCoreOutput("0_r", [8], num_cached_tokens=0)])
+    assert first.request_outputs[0].num_cached_tokens == 16  # the best known so far
+    assert second.request_outputs[0].num_cached_tokens == 0
+    last = proc.process_outputs([EngineCoreOutput("1_r", [9], finish_reason="length",
+                                                  num_cached_tokens=16),
+                                 EngineCoreOutput("0_r", [8], finish_reason="length")])
+    final = last.request_outputs[-1]
+    assert final.finished and final.num_cached_tokens == 0
+    assert [c.token_ids for c in final.outputs] == [[8, 8], [9, 9]]

@@ -111,7 +111,8 @@ def test_greedy_identical_batched_and_chunked(model_dir, llm_off) -> None:
         assert [o.outputs[0].token_ids for o in outs] == ref
         # Prefill tokens computed, over chunks of every size: the prompts less the hits.
         assert stats.num_prompt_tokens - before == sum(
-            len(p["prompt_token_ids"]) - o.num_cached_tokens for p, o in zip(prompts, outs))
+            len(p["prompt_token_ids"]) - o.num_cached_tokens
+            for p, o in zip(prompts, outs, strict=True))
     assert any(o.num_cached_tokens > 0 for o in outs)
     assert_pool_idle(llm)
 

@@ -70,7 +70,7 @@ def test_dtype_auto_follows_the_engine_on_cuda(tmp_path, capsys):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--device", "tpu"], "--device 'tpu': use cpu, cuda[:N], a GPU name"),
-    (["-tp", "3"], "--tensor-parallel-size 3 does not divide num_attention_heads (28)"),
+    (["-tp", "3"], "--tensor-parallel-size 3 cannot split this model"),
     (["--max-model-len", "65536"], "--max-model-len 65536 is larger than the model's context"),
     (["--block-size", "12"], "--block-size must be one of"),
     (["--max-num-seqs", "512", "--max-num-batched-tokens", "256"],
@@ -89,3 +89,26 @@ def test_parse_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device on this machine"):
             parse_device("cuda")
+
+
+@pytest.mark.parametrize("flags", [
+    {}, {"max_num_batched_tokens": 64}, {"max_num_seqs": 8, "max_model_len": 128, "block_size": 32},
+    {"dtype": "float32", "kv_cache_memory": "3MiB"},
+])
+def test_settings_equal_the_engine_config(tiny_llama_dir, flags):
+    from pagellm.config import EngineArgs
+    from pagellm.planning.model_spec import ModelSpec
+    from pagellm.planning.planner import plan_from_args
+
+    args = EngineArgs(model=str(tiny_llama_dir), device="cpu", **flags)
+    config = args.create_engine_config()
+    report = plan_from_args(args, "cpu")
+    s = report.settings
+    assert (s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len, s.block_size,
+            s.kv_cache_memory, s.dtype) == (
+        config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+        config.model.max_model_len, config.cache.block_size, config.cache.kv_cache_memory,
+        str(config.model.dtype).removeprefix("torch."))
+    assert report.spec == ModelSpec.from_hf_config(config.model.hf_config, report.spec.name,
+                                                   report.spec.checkpoint_format,
+                                                   report.spec.checkpoint_bytes)

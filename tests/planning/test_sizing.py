@@ -126,5 +126,5 @@ def test_quantized_weight_bytes_by_hand():
 
 def test_tensor_parallel_must_divide_heads(tmp_path):
     model = write_config(tmp_path / "q7", QWEN25_7B)
-    with pytest.raises(ValueError, match="--tensor-parallel-size 3 does not divide"):
+    with pytest.raises(ValueError, match="--tensor-parallel-size 3 cannot split this model"):
         plan_from_args(EngineArgs(model=model, tensor_parallel_size=3), "h100")

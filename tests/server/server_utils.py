@@ -29,7 +29,7 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 command: tuple[str, ...] = SERVE_MODULE):
+                 command: tuple[str, ...] = SERVE_MODULE, new_session: bool = False):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -38,7 +38,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", *command, *args,
                "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, start_new_session=new_session)
         self.wait_healthy()
 
     def log(self) -> str:
@@ -64,9 +64,15 @@ class ServerProcess:
         assert match, self.log()
         return int(match.group(1))
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0,
+             group: bool = False) -> int:
+        """Signal the server (or, with ``group``, its whole process group, as Ctrl-C in a
+        terminal does) and wait for it."""
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

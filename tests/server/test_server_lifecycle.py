@@ -51,13 +51,24 @@ def test_bad_flag_value_exits_with_a_clear_message():
     assert "--max-model-len 999999" in r.stderr
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_signal_shuts_down_cleanly_mid_request(tmp_path, sig):
+# SIGTERM to the server (systemd, docker stop) with the default model, which is slow enough on a
+# CPU that the request is surely still running; Ctrl-C (SIGINT to the whole process group) and
+# kill -9 with a tiny random model, which starts faster.
+@pytest.mark.parametrize(("sig", "group", "tiny"), [(signal.SIGTERM, False, False),
+                                                    (signal.SIGINT, True, True),
+                                                    (signal.SIGKILL, False, True)],
+                         ids=["sigterm", "ctrl-c", "kill-9"])
+def test_signal_shuts_down_cleanly_mid_request(request, tmp_path, sig, group, tiny):
+    model_args = TINY_ARGS
+    if tiny:
+        model_dir = request.getfixturevalue("tiny_llama_dir")
+        model_args = [str(model_dir), "--dtype", "float32", "--kv-cache-memory", "64MiB",
+                      "--max-model-len", "256"]
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
-    srv = ServerProcess([*TINY_ARGS, "--disable-log-stats", "--enable-log-requests",
+    srv = ServerProcess([*model_args, "--disable-log-stats", "--enable-log-requests",
                          "--chat-template", str(template)], tmp_path / "server.log",
-                        command=PAGELLM_SERVE)
+                        command=PAGELLM_SERVE, new_session=group)
     engine_pid = srv.engine_pid
     # --chat-template replaces the tokenizer's template.
     chat = httpx.post(f"{srv.base_url}/tokenize",
@@ -81,7 +92,7 @@ def test_signal_shuts_down_cleanly_mid_request(tmp_path, sig):
     t = threading.Thread(target=stream_forever, daemon=True)
     t.start()
     assert started.wait(120)
-    code = srv.stop(sig, timeout_s=60)
+    code = srv.stop(sig, timeout_s=60, group=group)
     # SIGKILL cannot be handled: the engine process still goes (parent-death signal).
     assert code == (-9 if sig == signal.SIGKILL else 0), srv.log()
     assert wait_until(lambda: not pid_alive(engine_pid), timeout_s=10)
