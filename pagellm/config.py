@@ -34,6 +34,7 @@ class ModelConfig:
     load_format: str
     seed: int
     served_model_name: str
+    quantization: str | None = None  # normalized --quantization ("int8", "int4-g128"), or None
 
     @property
     def architecture(self) -> str:
@@ -195,6 +196,7 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None
     attention_backend: str = "auto"
     enforce_eager: bool = False
     served_model_name: str | None = None
@@ -226,6 +228,9 @@ class EngineArgs:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("--attention-backend must be auto, torch or triton, "
                              f"got {self.attention_backend!r}.")
+        from pagellm.layers.quantization import parse_quantization
+
+        quant = parse_quantization(self.quantization)  # ValueError names --quantization
         device = resolve_device(self.device)
         source = resolve_model_source(self.model)
         hf_config = load_hf_config(source)
@@ -263,7 +268,8 @@ class EngineArgs:
             model=ModelConfig(
                 model=self.model, source=source, hf_config=hf_config, tokenizer=self.tokenizer,
                 dtype=dtype, max_model_len=max_model_len, load_format=self.load_format,
-                seed=self.seed, served_model_name=model_name),
+                seed=self.seed, served_model_name=model_name,
+                quantization=quant.name if quant is not None else None),
             cache=CacheConfig(
                 block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,

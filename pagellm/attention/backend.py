@@ -39,6 +39,10 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # True when every sequence has query_len 1 (a pure decode step).
     is_decode_only: bool = False
+    # True when every cache slot a sequence has not written (and every padded block-table entry)
+    # reads as zero: backends may then skip zeroing gathered padding (the model runner ensures
+    # it; tests that fill caches with NaN leave it False).
+    padding_is_zero: bool = False
 
 
 class AttentionBackend(abc.ABC):

@@ -64,8 +64,8 @@ class TorchAttentionBackend(AttentionBackend):
             decode_seqs, prefill_seqs = [], []
             for i in range(meta.num_seqs):
                 (decode_seqs if starts[i + 1] - starts[i] == 1 else prefill_seqs).append(i)
-        if decode_seqs:
-            self._decode(query, k_cache, v_cache, meta, decode_seqs, out)
+        for group in _length_buckets(decode_seqs, seq_lens):
+            self._decode(query, k_cache, v_cache, meta, group, out)
         for i in prefill_seqs:
             start, end = starts[i], starts[i + 1]
             out[start:end] = self._prefill(query[start:end], k_cache, v_cache,
@@ -91,10 +91,12 @@ class TorchAttentionBackend(AttentionBackend):
         k = k_cache[block_tables].flatten(1, 2)  # [B, Lmax, Hkv, D]
         v = v_cache[block_tables].flatten(1, 2)
         valid = torch.arange(k.shape[1], device=device)[None, :] < seq_lens[:, None].long()
-        # NOTE: padding slots may hold anything (NaN included): zero them by selection so that a
-        # masked position contributes exactly 0, then mask them out of the softmax.
-        k.masked_fill_(~valid[:, :, None, None], 0)
-        v.masked_fill_(~valid[:, :, None, None], 0)
+        if not meta.padding_is_zero:
+            # NOTE: padding slots may hold anything (NaN included): zero them by selection so a
+            # masked position contributes exactly 0, then mask them out of the softmax.
+            invalid = ~valid[:, :, None, None]
+            k.masked_fill_(invalid, 0)
+            v.masked_fill_(invalid, 0)
         q = query[: meta.num_tokens] if token_idx is None else query[token_idx]
         o = _sdpa(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), self.scale,
                   mask=valid[:, None, None, :])
@@ -121,3 +123,15 @@ class TorchAttentionBackend(AttentionBackend):
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
             o = _sdpa(q, k, v, self.scale, mask=mask)
         return o[0].transpose(0, 1)
+
+
+def _length_buckets(seqs: list[int], seq_lens: list[int], max_buckets: int = 4,
+                    min_bucket: int = 8) -> list[list[int]]:
+    """Split decode sequences into groups of similar length (sorted, equal counts), so that the
+    padded K/V gather of each group wastes little; small batches stay one group."""
+    if len(seqs) < 2 * min_bucket:
+        return [seqs] if seqs else []
+    ordered = sorted(seqs, key=lambda i: seq_lens[i])
+    n = min(max_buckets, len(ordered) // min_bucket)
+    size = -(-len(ordered) // n)
+    return [ordered[i:i + size] for i in range(0, len(ordered), size)]

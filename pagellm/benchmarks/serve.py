@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import os
 import random
@@ -285,6 +286,7 @@ def bench_serve(ns: argparse.Namespace) -> dict[str, Any]:
                             ns.random_output_len, ns.random_vocab_size, ns.random_range_ratio,
                             ns.seed)
     api_key = ns.api_key or os.environ.get("PAGELLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     summary = asyncio.run(benchmark(
         ns.base_url, requests, model=ns.model, endpoint=ns.endpoint,
         request_rate=ns.request_rate, max_concurrency=ns.max_concurrency, api_key=api_key,

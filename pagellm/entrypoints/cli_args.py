@@ -48,6 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
     g.add_argument("--load-format", default=d.load_format,
                    choices=["auto", "safetensors", "gguf", "dummy"])
+    g.add_argument("--quantization", default=None,
+                   help="weight-only quantization of the linear layers at load time: none, int8 "
+                        "(per channel), int4 (group 32) or int4-g32/g64/g128/g256")
     g.add_argument("--attention-backend", default=d.attention_backend,
                    choices=["auto", "torch", "triton"])
     _bool_flag(g, "--enforce-eager", "disable CUDA graphs")
@@ -67,6 +70,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=ns.enable_prefix_caching,
         prefix_caching_hash_algo=ns.prefix_caching_hash_algo,
         tensor_parallel_size=ns.tensor_parallel_size, seed=ns.seed, device=ns.device,
-        load_format=ns.load_format, attention_backend=ns.attention_backend,
+        load_format=ns.load_format, quantization=ns.quantization,
+        attention_backend=ns.attention_backend,
         enforce_eager=ns.enforce_eager, disable_log_stats=ns.disable_log_stats,
         served_model_name=getattr(ns, "served_model_name", None))

@@ -9,12 +9,18 @@ input dim (weight dim 1) and all-reduce their output.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.communication import all_gather, tensor_model_parallel_all_reduce
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
+
+if TYPE_CHECKING:
+    from pagellm.layers.quant_methods import QuantMethod
+    from pagellm.layers.quantization import QuantConfig
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -48,13 +54,36 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.quant_method: QuantMethod | None = None  # set by quantize_
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
         raise NotImplementedError
 
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is None:
+            return F.linear(x, self.weight, bias)
+        return self.quant_method.apply(self, x, bias)
+
+    @torch.no_grad()
+    def quantize_(self, config: QuantConfig, backend: str = "cpu") -> int | None:
+        """After loading: replace ``weight`` by quantized parameters (this rank's shard).
+
+        Returns the int4 group size used (0 for int8), or None when the layer stays in float.
+        """
+        from pagellm.layers.quant_methods import make_quant_method
+
+        assert self.quant_method is None, "layer already quantized"
+        method = make_quant_method(config, self.weight.data, backend)
+        if method is None:
+            return None
+        method.create(self, self.weight.data)
+        del self.weight
+        self.quant_method = method
+        return method.group_size
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -82,7 +111,7 @@ class ColumnParallelLinear(LinearBase):
         _copy_checked(param, param.data, loaded.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self._matmul(x, self.bias)
         return all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -174,8 +203,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return self._matmul(x, self.bias)
+        y = self._matmul(x, None)
         if self.reduce_results:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:

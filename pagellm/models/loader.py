@@ -156,8 +156,9 @@ def _resolve_load_format(src: ModelSource, load_format: str) -> str:
 
 
 def build_model(hf_config: Any, src: ModelSource, dtype: torch.dtype, device: torch.device,
-                load_format: str = "auto") -> nn.Module:
-    """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill its weights."""
+                load_format: str = "auto", quantization: str | None = None) -> nn.Module:
+    """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill its weights; then
+    quantize its linear layers when ``quantization`` (``--quantization``) is set."""
     from pagellm.models.gguf_loader import gguf_weights_iterator
     from pagellm.models.registry import get_model_cls
     from pagellm.models.weight_utils import (
@@ -184,4 +185,8 @@ def build_model(hf_config: Any, src: ModelSource, dtype: torch.dtype, device: to
             gguf_cache.save_weights(src.gguf_path, weights)
     else:
         model.load_weights(safetensors_weights_iterator(src.path))
+    if quantization is not None:
+        from pagellm.layers.quantization import quantize_model
+
+        quantize_model(model, quantization)
     return model.eval()

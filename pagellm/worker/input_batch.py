@@ -39,6 +39,12 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.null_block_id = 0
+
+    def set_null_block(self, block_id: int) -> None:
+        """Pad every block-table row with ``block_id`` (an always-zero block)."""
+        self.null_block_id = block_id
+        self.block_table.fill(block_id)
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                     sampling_params: SamplingParams, block_ids: list[int],
@@ -48,6 +54,7 @@ class InputBatch:
         row = self._free_rows.pop()
         tokens = list(prompt_token_ids) + list(output_token_ids)
         self.token_ids[row, : len(tokens)] = tokens
+        self.block_table[row] = self.null_block_id
         self.block_table[row, : len(block_ids)] = block_ids
         state = CachedRequestState(
             req_id=req_id, row=row, num_prompt_tokens=len(prompt_token_ids),

@@ -63,15 +63,16 @@ def plan_for_device(config: EngineConfig, weight_bytes: int,
 
 def allocate_kv_caches(config: EngineConfig, num_blocks: int, device: torch.device,
                        dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer, viewed as
-    (k_cache, v_cache)."""
+    """Per layer, (k_cache, v_cache) views of one zeroed
+    ``[layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]`` tensor.
+
+    Block ``num_blocks`` is the null block: never handed out, always zero; block tables are
+    padded with it, so padded positions read zeros (see ModelRunner._zero_new_blocks).
+    """
     from pagellm.worker.memory_plan import kv_heads_per_rank
 
     m = config.model
     heads = kv_heads_per_rank(m.num_kv_heads, config.parallel.tensor_parallel_size)
-    shape = (2, num_blocks, config.cache.block_size, heads, m.head_dim)
-    caches = []
-    for _ in range(m.num_layers):
-        kv = torch.zeros(shape, dtype=dtype, device=device)
-        caches.append((kv[0], kv[1]))
-    return caches
+    shape = (m.num_layers, 2, num_blocks + 1, config.cache.block_size, heads, m.head_dim)
+    kv = torch.zeros(shape, dtype=dtype, device=device)
+    return [(kv[i, 0], kv[i, 1]) for i in range(m.num_layers)]

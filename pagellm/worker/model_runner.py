@@ -42,7 +42,8 @@ class ModelRunner:
         read_before = checkpoint_bytes_read()
         start = time.perf_counter()
         self.model = build_model(config.model.hf_config, config.model.source, self.dtype,
-                                 self.device, config.model.load_format)
+                                 self.device, config.model.load_format,
+                                 config.model.quantization)
         self.model.eval()
         self.load_seconds = time.perf_counter() - start
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -50,7 +51,9 @@ class ModelRunner:
         rank = f" (tp rank {self.tp_rank}/{self.tp_size})" if self.tp_size > 1 else ""
         logger.info("Loaded %s in %.1f s: %.1f MiB of weights as %s on %s%s; read %.1f MiB of "
                     "checkpoint", config.model.architecture, self.load_seconds,
-                    self.weight_bytes / 2**20, str(self.dtype).removeprefix("torch."),
+                    self.weight_bytes / 2**20, str(self.dtype).removeprefix("torch.")
+                    + (f" ({config.model.quantization} linears)" if config.model.quantization
+                       else ""),
                     self.device, rank, self.checkpoint_bytes_read / 2**20)
         sched = config.scheduler
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
@@ -71,6 +74,7 @@ class ModelRunner:
                             self.tp_rank, plan.num_blocks, agreed)
                 plan = dataclasses.replace(plan, num_blocks=agreed)
         self.kv_caches = allocate_kv_caches(self.config, plan.num_blocks, self.device, self.dtype)
+        self.input_batch.set_null_block(plan.num_blocks)
         self.num_blocks = plan.num_blocks
         self.kv_plan = plan
         return plan.num_blocks
@@ -113,6 +117,29 @@ class ModelRunner:
             state = batch.requests[req_id]
             batch.append_blocks(state, block_ids)
             state.num_computed_tokens = num_computed
+        self._zero_new_blocks(so)
+
+    def _zero_new_blocks(self, so: SchedulerOutput) -> None:
+        """Zero blocks handed out this step (not prefix-cache hits), so every slot a request has
+        not written yet reads 0, like the null block padding its table: attention then needs no
+        masking copies of gathered K/V (stale data of a block's last owner never leaks)."""
+        bs = self.block_size
+        ids: list[int] = []
+        for new in so.scheduled_new_reqs:
+            ids += new.block_ids[new.num_computed_tokens // bs:]
+        for block_ids in so.scheduled_cached_reqs.new_block_ids:
+            ids += block_ids
+        if ids and self.kv_caches:
+            index = torch.tensor(ids, dtype=torch.long, device=self.device)
+            k0 = self.kv_caches[0][0]
+            # All layers' K and V are views of one tensor [layers, 2, blocks, ...].
+            base = k0._base if k0._base is not None else None
+            if base is not None and base.dim() == k0.dim() + 2:
+                base.index_fill_(2, index, 0)
+            else:
+                for k, v in self.kv_caches:
+                    k.index_fill_(0, index, 0)
+                    v.index_fill_(0, index, 0)
 
     def _prepare_inputs(self, so: SchedulerOutput, states: list[CachedRequestState]
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray,
@@ -154,6 +181,7 @@ class ModelRunner:
             max_query_len=int(num_sched.max()), max_seq_len=max_seq_len,
             query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist(),
             is_decode_only=bool((num_sched == 1).all()),
+            padding_is_zero=True,
         )
         ids = torch.from_numpy(input_ids).to(dev, non_blocking=True)
         pos = torch.from_numpy(positions).to(dev, non_blocking=True)

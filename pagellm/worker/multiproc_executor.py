@@ -69,6 +69,7 @@ class MultiprocExecutor:
         threads = cpu_threads_per_rank(tp) if device.type == "cpu" else None
         self.procs: list[Any] = []
         self._conns: list[Connection] = []
+        config = _share_cpu_kv_default(config)
         for rank in range(tp):
             recv_end, send_end = ctx.Pipe(duplex=False)
             args = WorkerArgs(
@@ -88,14 +89,15 @@ class MultiprocExecutor:
                         [p.pid for p in self.procs], "NCCL" if device.type == "cuda" else "gloo",
                         init_method, f"; {threads} CPU threads each" if threads else "")
             ready = self._wait_replies(range(tp), startup_timeout_s, kind="ready")
+        except WorkerFailedError as e:
+            raise WorkerFailedError(
+                f"{e} Its own error is in the log above. Workers are spawned, so they import "
+                "the main script again: a script that builds an engine with tensor_parallel_size "
+                "> 1 needs an `if __name__ == \"__main__\":` guard.") from None
         except BaseException:
             self.shutdown()
             raise
         self.rank_info: list[dict[str, Any]] = [ready[r] for r in range(tp)]
-        for info in self.rank_info:
-            logger.info("tp rank %d (pid %d): %.1f MiB of parameters, read %.1f MiB of "
-                        "checkpoint", info["rank"], info["pid"], info["weight_bytes"] / 2**20,
-                        info["checkpoint_bytes_read"] / 2**20)
         self._watchdog_stop_r, self._watchdog_stop_w = ctx.Pipe(duplex=False)
         threading.Thread(target=_watchdog, name="pagellm-tp-watchdog", daemon=True,
                          args=(weakref.ref(self), [p.sentinel for p in self.procs],
@@ -106,6 +108,12 @@ class MultiprocExecutor:
         blocks = self.collective_rpc("initialize_kv_cache")
         assert len(set(blocks)) == 1, f"ranks disagree on the number of KV blocks: {blocks}"
         self.rank_info = self.collective_rpc("rank_info")  # now with the KV cache's memory
+        for info in self.rank_info:
+            logger.info("tp rank %d (pid %d): %.1f MiB of parameters (read %.1f MiB of "
+                        "checkpoint), %d KV blocks; resident %.1f MiB, peak %.1f MiB",
+                        info["rank"], info["pid"], info["weight_bytes"] / 2**20,
+                        info["checkpoint_bytes_read"] / 2**20, info["num_blocks"],
+                        info.get("rss_bytes", 0) / 2**20, info.get("max_rss_bytes", 0) / 2**20)
         return blocks[0]
 
     def execute_model(self, sched_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -226,13 +234,25 @@ class MultiprocExecutor:
 
 
 def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """On CUDA, rank r runs on cuda:r; on CPU every rank shares the config as is."""
+    """Rank r runs on cuda:r on CUDA; on CPU all ranks share the one config."""
     if config.device.device.type != "cuda":
         return config
     import torch
 
     device = dataclasses.replace(config.device, device=torch.device("cuda", rank))
     return dataclasses.replace(config, device=device)
+
+
+def _share_cpu_kv_default(config: EngineConfig) -> EngineConfig:
+    """On CPU the ranks share the host's RAM: --kv-cache-memory is per rank, and its default (a
+    share of the free RAM) is divided among the ranks, not taken by each."""
+    if config.device.device.type != "cpu" or config.cache.kv_cache_memory is not None:
+        return config
+    from pagellm.worker.memory_plan import default_cpu_kv_budget
+
+    share = default_cpu_kv_budget() // config.parallel.tensor_parallel_size
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache,
+                                                                 kv_cache_memory=share))
 
 
 def _stop_process(proc: Any) -> None:

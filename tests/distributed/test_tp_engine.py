@@ -14,7 +14,7 @@ import pytest
 from tp_utils import (
     checkpoint_bytes,
     checkpoint_shapes,
-  expected_rank_bytes,
+    expected_rank_bytes,
     prompts,
     run,
     tp1_llm,
