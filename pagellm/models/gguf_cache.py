@@ -20,7 +20,7 @@ from typing import Any
 
 logger = logging.getLogger("pagellm")
 
-_FORMAT_VERSION = "1"
+_FORMAT_VERSION = "2"
 
 
 def cache_root() -> str:

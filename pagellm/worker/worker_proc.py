@@ -1,11 +1,11 @@
 """One tensor-parallel rank in its own process: join the group, build the model runner, then run
 what the engine broadcasts until it says stop or is gone.
 
-Protocol. Engine -> workers, through the shared-memory broadcast: ``(method, args, reply_ranks)``
-with ``method`` one of Worker's RPC methods, or ``("shutdown", (), ())``. Worker -> engine,
-through its own pipe: ``("ready", rank_info)`` once, then ``("ok", result)`` for each call whose
-``reply_ranks`` names this rank (``execute_model``: rank 0 only), or ``("error", (traceback,
-exception or None))`` once before exiting with status 1.
+Protocol. Engine -> workers, through the shared-memory broadcast: ``(call_id, method, args,
+reply_ranks)`` with ``method`` one of Worker's RPC methods, or ``"shutdown"``. Worker -> engine,
+through its own pipe: ``("ready", 0, rank_info)`` once, then ``("ok", call_id, result)`` for each
+call whose ``reply_ranks`` names this rank (``execute_model``: rank 0 only), or ``("error",
+call_id, (traceback, exception or None))`` once before exiting with status 1.
 """
 
 from __future__ import annotations
@@ -116,20 +116,17 @@ def run_worker(args: WorkerArgs) -> None:
     conn = args.conn
     try:
         worker = _start(args)
-        conn.send(("ready", worker.rank_info()))
+        conn.send(("ready", 0, worker.rank_info()))
     except BaseException:
-        _report_and_exit(conn, args.rank)
+        _report_and_exit(conn, args.rank, 0)
     reader = ShmBroadcastReader(args.broadcast, args.rank)
     exit_code = 0
     try:
         exit_code = _loop(worker, reader, conn, args)
     finally:
         reader.close()
-    if exit_code == 0:
-        from pagellm.distributed.parallel_state import destroy_tp
-
-        destroy_tp()  # gloo aborts a process that exits with its group alive
-    # Skip interpreter teardown (seconds with torch loaded): nothing is left to flush.
+    # Skip interpreter teardown: seconds with torch loaded, and the process group's destructors
+    # (gloo aborts at a normal exit with its group alive; NCCL may wait on a dead peer).
     os._exit(exit_code)
 
 
@@ -153,7 +150,7 @@ def _loop(worker: Worker, reader: ShmBroadcastReader, conn: Connection,
 
     while True:
         try:
-            method, call_args, reply_ranks = reader.dequeue(should_stop=engine_gone)
+            call_id, method, call_args, reply_ranks = reader.dequeue(should_stop=engine_gone)
         except BrokenBroadcastError:
             logger.warning("tp rank %d: the engine process is gone; exiting.", args.rank)
             return 0
@@ -163,13 +160,13 @@ def _loop(worker: Worker, reader: ShmBroadcastReader, conn: Connection,
         try:
             result = getattr(worker, method)(*call_args)
         except BaseException:
-            _report(conn, args.rank)
+            _report(conn, args.rank, call_id)
             return 1
         if args.rank in reply_ranks:
-            conn.send(("ok", result))
+            conn.send(("ok", call_id, result))
 
 
-def _report(conn: Connection, rank: int) -> None:
+def _report(conn: Connection, rank: int, call_id: int) -> None:
     """Send the current exception (its traceback, and the exception itself when it pickles)."""
     exc = sys.exc_info()[1]
     text = traceback.format_exc()
@@ -179,11 +176,11 @@ def _report(conn: Connection, rank: int) -> None:
     except Exception:
         exc = None
     try:
-        conn.send(("error", (text, exc)))
+        conn.send(("error", call_id, (text, exc)))
     except (OSError, ValueError):
         pass  # the engine is gone too
 
 
-def _report_and_exit(conn: Connection, rank: int) -> None:
-    _report(conn, rank)
+def _report_and_exit(conn: Connection, rank: int, call_id: int) -> None:
+    _report(conn, rank, call_id)
     os._exit(1)  # skip multiprocessing's exit handlers; the message is the status

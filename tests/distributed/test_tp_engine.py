@@ -100,3 +100,16 @@ def test_each_rank_holds_and_reads_only_its_shard(engines, models, arch) -> None
         norms = sum(math.prod(s) for n, s in checkpoint_shapes(path).items() if "norm" in n)
         assert reads == total + norms * 4
     assert info[0]["num_blocks"] == info[1]["num_blocks"] == tp2.llm_engine.engine_core.num_blocks
+
+
+def test_an_interrupted_call_does_not_desync_the_replies(engines) -> None:
+    """Ctrl-C while the engine waits leaves the workers' answer in the pipe; the next call must
+    not take it for its own."""
+    tp1, tp2 = engines("llama")
+    executor = tp2.llm_engine.engine_core.executor
+    executor._send("rank_info", (), (0, 1))  # sent, never waited for: as if interrupted
+    vocab = tp1.llm_engine.config.model.vocab_size
+    ps = prompts(3, vocab, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in run(tp1, ps, params)]
+    assert [o.outputs[0].token_ids for o in run(tp2, ps, params)] == want

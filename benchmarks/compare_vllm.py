@@ -1,0 +1,111 @@
+"""Run pagellm and vLLM's CPU build back to back on one workload and print the ratios.
+
+usage: python benchmarks/compare_vllm.py WORKLOAD.jsonl [--dtype bfloat16] [--vllm-python PATH]
+       [--hf-dir DIR] [--skip-vllm] [--output-json FILE]
+
+The workload is a JSONL of {"prompt_token_ids": [...], "max_tokens": N} (see
+../shared/bench/workload.py); every request is generated in full (ignore_eos), greedy, all
+submitted at once. vLLM runs in its own venv (default /tmp/venv-vllm, see docs/performance.md)
+with the settings that matter on a 2-core machine; its start-up is not timed. pagellm's start-up
+is reported separately. Check that /proc/loadavg is below 0.5 before trusting any figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+VLLM_SNIPPET = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+path, dtype, hf_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+reqs = [json.loads(l) for l in open(path)]
+llm = LLM(model=hf_dir, dtype=dtype, max_model_len=2048, enable_prefix_caching=False)
+prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
+params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+t = time.perf_counter()
+outs = llm.generate(prompts, params, use_tqdm=False)
+dt = time.perf_counter() - t
+n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
+print("RESULT " + json.dumps({"elapsed_s": dt, "prompt_tokens": n_in, "output_tokens": n_out}))
+"""
+
+
+def run_pagellm(workload: str, dtype: str, extra: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput", "--dataset",
+           workload, "--dtype", dtype, "--max-model-len", "2048", "--kv-cache-memory", "4GiB",
+           *extra]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_vllm(workload: str, dtype: str, python: str, hf_dir: str) -> dict:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1",
+               VLLM_USE_AOT_COMPILE="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1")
+    proc = subprocess.run([python, "-c", VLLM_SNIPPET, workload, dtype, hf_dir], env=env,
+                          check=True, capture_output=True, text=True)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    r = json.loads(line[len("RESULT "):])
+    total = r["prompt_tokens"] + r["output_tokens"]
+    r["total_tokens_per_s"] = total / r["elapsed_s"]
+    r["output_tokens_per_s"] = r["output_tokens"] / r["elapsed_s"]
+    return r
+
+
+def default_hf_dir() -> str:
+    """The default model as an HF folder: pagellm's GGUF conversion cache holds one."""
+    from pagellm.models import gguf_cache
+    from pagellm.models.loader import resolve_model_source
+
+    src = resolve_model_source(None)
+    folder = gguf_cache.cached_folder(src.gguf_path, gguf_cache.WEIGHTS)
+    if folder is None:
+        raise SystemExit("run pagellm once with the default model first (it writes the HF folder)")
+    return folder
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("workload")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--vllm-python", default="/tmp/venv-vllm/bin/python")
+    ap.add_argument("--hf-dir", default=None)
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--output-json", default=None)
+    ap.add_argument("pagellm_args", nargs=argparse.REMAINDER,
+                    help="extra flags for pagellm bench throughput (after --)")
+    ns = ap.parse_args()
+    extra = [a for a in ns.pagellm_args if a != "--"]
+    with open("/proc/loadavg") as f:
+        load = float(f.read().split()[0])
+    print(f"load average at start: {load:.2f}" + ("  (NOT idle: figures unreliable)"
+                                                  if load > 0.5 else ""))
+    t = time.time()
+    ours = run_pagellm(ns.workload, ns.dtype, extra)
+    print(f"pagellm  {ns.dtype}: {ours['elapsed_s']:.1f} s, {ours['total_tokens_per_s']:.0f} "
+          f"total tok/s, {ours['output_tokens_per_s']:.0f} output tok/s "
+          f"(start-up {ours['startup_s']:.1f} s)")
+    result = {"date": time.strftime("%Y-%m-%d", time.localtime(t)), "load_at_start": load,
+              "dtype": ns.dtype, "pagellm": ours}
+    if not ns.skip_vllm:
+        theirs = run_vllm(ns.workload, ns.dtype, ns.vllm_python, ns.hf_dir or default_hf_dir())
+        print(f"vLLM-CPU {ns.dtype}: {theirs['elapsed_s']:.1f} s, "
+              f"{theirs['total_tokens_per_s']:.0f} total tok/s, "
+              f"{theirs['output_tokens_per_s']:.0f} output tok/s")
+        ratio = ours["total_tokens_per_s"] / theirs["total_tokens_per_s"]
+        print(f"pagellm / vLLM-CPU total tokens/s: {ratio:.2f}x")
+        result.update(vllm=theirs, ratio_total_tokens_per_s=ratio)
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
