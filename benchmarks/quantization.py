@@ -119,15 +119,31 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def _best_us(fn, reps: int, rounds: int = 5) -> float:
-    best = float("inf")
+def _interleaved_best_us(fns: dict[str, Any], rounds: int = 20, reps: int = 2) -> dict[str, float]:
+    """Best time per call of each function, calling them round-robin: on a shared machine, load
+    from other processes then hits every variant alike instead of one phase of the run."""
+    best = {name: float("inf") for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up
     for _ in range(rounds):
-        fn()
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - start) / reps * 1e6)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / reps * 1e6)
     return best
+
+
+def _sweep_fns(x: torch.Tensor, weight: torch.Tensor, l8: Any, l4: Any) -> dict[str, Any]:
+    dt, m4 = x.dtype, l4.quant_method
+    return {
+        "bf16": lambda: F.linear(x, weight),
+        "int8 op": lambda: torch._weight_int8pack_mm(x, l8.qweight, l8.scales),
+        "int8 deq": lambda: F.linear(x, l8.qweight.to(dt)) * l8.scales,
+        "int4 op": lambda: torch._weight_int4pack_mm_for_cpu(x, l4.qweight, m4.group_size,
+                                                             l4.scales_and_zeros),
+        "int4 deq": lambda: torch.mm(x, m4._weight_t(l4).to(dt)),
+    }
 
 
 @torch.inference_mode()
@@ -138,7 +154,8 @@ def sweep_rows(ns: argparse.Namespace) -> None:
 
     dt = torch.bfloat16
     shapes = [(3072, 576), (576, 1536)]  # SmolLM2's gate_up and down projections
-    print("| N x K | rows | bf16 linear us | int8 op | int8 dequant | int4 op | int4 dequant |")
+    print(f"torch threads: {torch.get_num_threads()}; microseconds per call, best of 20 rounds")
+    print("| N x K | rows | bf16 linear | int8 op | int8 dequant | int4 op | int4 dequant |")
     print("|---|---|---|---|---|---|---|")
     for n, k in shapes:
         layers = {}
@@ -148,25 +165,12 @@ def sweep_rows(ns: argparse.Namespace) -> None:
             weight = layer.weight.detach().clone()
             layer.quantize_(parse_quantization(spec), "cpu")
             layers[spec] = layer
-        m8, m4 = layers["int8"].quant_method, layers["int4-g32"].quant_method
-        l8, l4 = layers["int8"], layers["int4-g32"]
-        for rows in (1, 4, 8, 12, 16, 24, 32, 48, 64):
+        for rows in (1, 4, 8, 12, 16, 24, 32, 64, 96, 128, 256):
             x = torch.randn(rows, k, dtype=dt)
-            fns = {
-                "bf16": lambda x=x: F.linear(x, weight),
-                "int8 op": lambda x=x: torch._weight_int8pack_mm(x, l8.qweight, l8.scales),
-                "int8 deq": lambda x=x: F.linear(x, l8.qweight.to(dt)) * l8.scales,
-                "int4 op": lambda x=x: torch._weight_int4pack_mm_for_cpu(
-                    x, l4.qweight, m4.group_size, l4.scales_and_zeros),
-                "int4 deq": lambda x=x: F.linear(x, m4._weight(l4, dt)),
-            }
-            best = {name: float("inf") for name in fns}
-            for _ in range(3):  # interleaved: machine load hits every variant alike
-                for name, fn in fns.items():
-                    best[name] = min(best[name], _best_us(fn, reps=5, rounds=2))
+            fns = _sweep_fns(x, weight, layers["int8"], layers["int4-g32"])
+            best = _interleaved_best_us(fns)
             print(f"| {n}x{k} | {rows} | " + " | ".join(f"{best[f]:.0f}" for f in fns) + " |",
                   flush=True)
-    del m8
 
 
 def main() -> None:

@@ -79,6 +79,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    policy: str = "fcfs"  # or "priority" (see core/request_queue.py)
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ class EngineArgs:
     enforce_eager: bool = False
     served_model_name: str | None = None
     disable_log_stats: bool = False
+    scheduling_policy: str = "fcfs"
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -225,6 +227,9 @@ class EngineArgs:
         if self.prefix_caching_hash_algo not in ("sha256", "blake2b"):
             raise ValueError("--prefix-caching-hash-algo must be sha256 or blake2b, "
                              f"got {self.prefix_caching_hash_algo!r}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("--scheduling-policy must be fcfs or priority, "
+                             f"got {self.scheduling_policy!r}.")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("--attention-backend must be auto, torch or triton, "
                              f"got {self.attention_backend!r}.")
@@ -278,7 +283,7 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len),
+                max_model_len=max_model_len, policy=self.scheduling_policy),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=DeviceConfig(device=device, attention_backend=self.attention_backend),
             enforce_eager=self.enforce_eager,

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 _MAX_LOGPROBS = 20
+# torch.Generator.manual_seed takes a signed or unsigned 64-bit value; keep seeds signed 64-bit.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
 
 
 @dataclass
@@ -64,6 +69,10 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")
+        for name in _FLOAT_FIELDS:  # NaN passes every comparison below, so refuse it first
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                bad(name, "must be a finite number")
         if self.temperature < 0.0:
             bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
@@ -72,8 +81,9 @@ class SamplingParams:
             bad("top_k", "must be an integer; 0 or -1 disables it")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer or None")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            bad("seed", "must be a 64-bit signed integer or None")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1 (or None for the rest of the context)")
@@ -99,7 +109,7 @@ class SamplingParams:
             for tok, b in self.logit_bias.items():
                 if not isinstance(tok, int) or tok < 0:
                     bad("logit_bias", "keys must be non-negative token ids")
-                if not -100.0 <= float(b) <= 100.0:
+                if not isinstance(b, int | float) or not -100.0 <= float(b) <= 100.0:
                     bad("logit_bias", "values must be in [-100, 100]")
 
     def clone(self, **changes: object) -> SamplingParams:

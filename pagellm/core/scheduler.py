@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
 from typing import Protocol
 
 from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.request_queue import create_request_queue
 from pagellm.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -39,6 +39,11 @@ class Scheduler:
     When blocks run out, the newest running request is preempted (recompute): its blocks are
     freed and it returns to the front of the waiting queue.
 
+    With ``policy="priority"`` (SchedulerConfig.policy), waiting requests are admitted by
+    (priority, arrival) (lower priority value first), the running batch is served in that order,
+    and the victim of a preemption is the lowest-priority (then newest) running request.
+    Waiting requests never preempt running ones, whatever their priority.
+
     ``num_computed_tokens`` advances at schedule time: the runner computes all it is given.
     """
 
@@ -60,8 +65,9 @@ class Scheduler:
             hash_algo=getattr(cache_config, "prefix_caching_hash_algo", "sha256"),
             max_model_len=self.max_model_len,
         )
+        self.policy = getattr(scheduler_config, "policy", "fcfs")
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         # Finished (or aborted) since the last schedule(): sent once to the runner.
         self.finished_req_ids: set[str] = set()
@@ -80,7 +86,7 @@ class Scheduler:
             )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -96,6 +102,10 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: set[str] = set()
+        if self.policy == "priority":
+            # Sorted, running[i:] are never more urgent than running[:i]: the victim below is
+            # always the globally least urgent request not yet given tokens this step.
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
 
         # A long prefill chunk must not take the tokens of the decodes queued behind it: each
         # chunk leaves one token per decoding request still to come (no request stalls).
@@ -115,7 +125,7 @@ class Scheduler:
                 continue
             new_blocks = kv.allocate_slots(request, num_new)
             while new_blocks is None:
-                victim = self.running.pop()
+                victim = self.running.pop(self._victim_index(i))
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is request:
@@ -134,12 +144,12 @@ class Scheduler:
         # A step that had to preempt is short of blocks: admitting more would only preempt again.
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
-            request = self.waiting[0]
+            request = self.waiting.peek()
             computed_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if kv.allocate_slots(request, num_new, computed_blocks, num_hit) is None:
                 break  # FCFS: no skipping ahead, no preemption for waiting requests
-            self.waiting.popleft()
+            self.waiting.pop()
             self.running.append(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -170,13 +180,20 @@ class Scheduler:
         self.finished_req_ids = set()
         return out
 
+    def _victim_index(self, start: int) -> int:
+        """Which of ``running[start:]`` (not yet scheduled this step) to preempt."""
+        if self.policy != "priority":
+            return len(self.running) - 1  # the newest
+        return max(range(start, len(self.running)),
+                   key=lambda j: (self.running[j].priority, self.running[j].arrival_time))
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
 
     def update_from_output(
         self, sched_output: SchedulerOutput, runner_output: ModelRunnerOutput

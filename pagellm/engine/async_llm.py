@@ -114,6 +114,11 @@ class AsyncLLM:
         return self.core.pid
 
     @property
+    def num_unfinished_requests(self) -> int:
+        """Sequences (n > 1 counts n) sent to the engine and not yet finished or aborted."""
+        return len(self.request_stats)
+
+    @property
     def errored(self) -> bool:
         return self.dead_error is not None
 

@@ -55,6 +55,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    choices=["auto", "torch", "triton"])
     _bool_flag(g, "--enforce-eager", "disable CUDA graphs")
     _bool_flag(g, "--disable-log-stats", "do not log the periodic stats line")
+    g.add_argument("--scheduling-policy", default=d.scheduling_policy,
+                   choices=["fcfs", "priority"],
+                   help="fcfs (arrival order), or priority: requests' 'priority' field, lower "
+                        "first, then arrival; the least urgent running request is preempted")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -73,4 +77,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         load_format=ns.load_format, quantization=ns.quantization,
         attention_backend=ns.attention_backend,
         enforce_eager=ns.enforce_eager, disable_log_stats=ns.disable_log_stats,
+        scheduling_policy=ns.scheduling_policy,
         served_model_name=getattr(ns, "served_model_name", None))

@@ -38,7 +38,7 @@ from pagellm.layers.quantization import (
 # Above this many rows the CPU ops lose to dequantize + bf16 matmul (benchmarks/quantization.py
 # --sweep-rows measures the crossover; int4's dequantization costs more, so it switches later).
 INT8_KERNEL_MAX_ROWS = 12
-INT4_KERNEL_MAX_ROWS = 32
+INT4_KERNEL_MAX_ROWS = 96
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -94,23 +94,29 @@ class CpuInt8Method(QuantMethod):
         return dequantize_int8(layer.qweight, layer.scales)
 
 
-def unpack_int4_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Codes ``[n, k]`` (uint8) of a ``_convert_weight_to_int4pack_for_cpu`` weight.
+def unpack_int4_cpu_t(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Transposed codes ``[k, n]`` (uint8) of a ``_convert_weight_to_int4pack_for_cpu`` weight.
 
     The layout is PyTorch's internal one (torch 2.13, read off the op): rows in blocks of 64,
     ``[k, 32]`` bytes per block with row j in the low and row j + 32 in the high nibble, then a
     tail block of ``n % 64`` rows stored ``[k, tail / 2]`` with row pairs sharing a byte.
-    ``CpuInt4Method.create`` checks it on every layer and stops using it if it ever changes.
+    ``CpuInt4Method.create`` checks it on every layer and stops relying on it if it changes.
+    Transposed because that is the cheap direction: 64-byte runs are copied whole.
     """
     main = n - n % 64
     parts = []
     if main:
         b = packed[:main].reshape(main // 64, k, 32)
-        parts.append(torch.cat([b & 0xF, b >> 4], dim=-1).transpose(1, 2).reshape(main, k))
+        lo_hi = torch.stack([b & 0xF, b >> 4], dim=2)  # [blocks, k, 2, 32]
+        parts.append(lo_hi.permute(1, 0, 2, 3).reshape(k, main))
     if n % 64:
         tail = packed[main:].reshape(k, (n % 64) // 2)
-        parts.append(torch.stack([tail & 0xF, tail >> 4], dim=-1).reshape(k, n % 64).t())
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+        parts.append(torch.stack([tail & 0xF, tail >> 4], dim=-1).reshape(k, n % 64))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def unpack_int4_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    return unpack_int4_cpu_t(packed, n, k).t()
 
 
 class CpuInt4Method(QuantMethod):
@@ -129,24 +135,25 @@ class CpuInt4Method(QuantMethod):
         self.layout_known = torch.equal(unpack_int4_cpu(packed, self.padded_n,
                                                         self.in_features), codes)
 
-    def _codes(self, layer: nn.Module) -> torch.Tensor:
+    def _codes_t(self, layer: nn.Module) -> torch.Tensor:
         if self.layout_known:
-            return unpack_int4_cpu(layer.qweight, self.padded_n, self.in_features)
-        # Unknown packing: read the codes back through the op itself (slow; tests only).
+            return unpack_int4_cpu_t(layer.qweight, self.padded_n, self.in_features)
+        # Unknown packing: read the codes back through the op itself (slow; never in practice).
         k, g = self.in_features, self.group_size
         ones = torch.ones(k // g, self.padded_n, 2, dtype=self.compute_dtype)
         ones[..., 1] = 8.0  # scale 1, zero 8: the op returns the raw codes
         eye = torch.eye(k, dtype=self.compute_dtype)
         out = torch._weight_int4pack_mm_for_cpu(eye, layer.qweight, g, ones)
-        return out.t().round().to(torch.uint8)
+        return out.round().to(torch.uint8)
 
-    def _weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    def _weight_t(self, layer: nn.Module) -> torch.Tensor:
+        """``W^T`` ``[K, padded N]`` in float32 (faster than bf16 elementwise math on CPU)."""
         n, k, g = self.padded_n, self.in_features, self.group_size
-        codes = self._codes(layer).to(dtype).reshape(n, k // g, g) - 8
-        sz = layer.scales_and_zeros.to(dtype)  # [G, N, 2]
-        s = sz[..., 0].t().unsqueeze(-1)
-        z = sz[..., 1].t().unsqueeze(-1)
-        return torch.addcmul(z, codes, s).reshape(n, k)
+        sz = layer.scales_and_zeros.float()  # [G, N, 2]
+        scales = sz[..., 0].unsqueeze(1)
+        mins = (sz[..., 1] - 8 * sz[..., 0]).unsqueeze(1)
+        codes = self._codes_t(layer).float().view(k // g, g, n)
+        return torch.addcmul(mins, codes, scales).view(k, n)
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.compute_dtype).contiguous()
@@ -154,11 +161,11 @@ class CpuInt4Method(QuantMethod):
             y = torch._weight_int4pack_mm_for_cpu(x, layer.qweight, self.group_size,
                                                   layer.scales_and_zeros)
         else:
-            y = F.linear(x, self._weight(layer, self.compute_dtype))
+            y = torch.mm(x, self._weight_t(layer).to(self.compute_dtype))
         return y[:, : self.out_features] if self.padded_n != self.out_features else y
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return self._weight(layer, torch.float32)[: self.out_features]
+        return self._weight_t(layer).t()[: self.out_features]
 
 
 class TorchDequantMethod(QuantMethod):

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 import pagellm
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.limits import RequestLimitsMiddleware, ServerLimits
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -95,14 +96,16 @@ def with_cancellation(handler: Callable[..., Awaitable[Any]]) -> Callable[..., A
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
-              chat_template: str | None = None, api_key: str | None = None) -> FastAPI:
+              chat_template: str | None = None, api_key: str | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
     config = engine.config
+    limits = limits or ServerLimits()
     models = ServedModels(served_model_names or [config.model.served_model_name],
                           str(config.model.model or config.model.served_model_name),
                           config.model.max_model_len)
     renderer = ChatRenderer(engine.tokenizer, chat_template)
-    completions = OpenAIServingCompletion(engine, models)
-    chat = OpenAIServingChat(engine, models, renderer)
+    completions = OpenAIServingCompletion(engine, models, limits)
+    chat = OpenAIServingChat(engine, models, renderer, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -116,6 +119,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
                   lifespan=lifespan)
     app.state.engine = engine
     install_error_handlers(app)
+    # The API key check is added last, so it runs first: no body is read for a client
+    # without a key.
+    app.add_middleware(RequestLimitsMiddleware, limits=limits)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from pagellm.entrypoints.cli_args import add_engine_args, engine_args_from
+from pagellm.entrypoints.openai import limits
 
 logger = logging.getLogger("pagellm")
 
@@ -36,6 +37,30 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    default=False, help="log every request's id, size and sampling params")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    lim = parser.add_argument_group("request limits (see docs/reliability.md)")
+    lim.add_argument("--max-request-body-bytes", type=int,
+                     default=limits.DEFAULT_MAX_REQUEST_BODY_BYTES,
+                     help="larger request bodies get 413 (default 8 MiB)")
+    lim.add_argument("--max-json-depth", type=int, default=limits.DEFAULT_MAX_JSON_DEPTH,
+                     help="JSON bodies nested deeper get 400 (default 32)")
+    lim.add_argument("--max-n", type=int, default=limits.DEFAULT_MAX_N,
+                     help="largest n (samples per prompt) (default 16)")
+    lim.add_argument("--max-stop", type=int, default=limits.DEFAULT_MAX_STOP,
+                     help="most stop strings (and stop_token_ids) per request (default 32)")
+    lim.add_argument("--max-stop-length", type=int, default=limits.DEFAULT_MAX_STOP_LENGTH,
+                     help="longest stop string, in characters (default 256)")
+    lim.add_argument("--max-prompts", type=int, default=limits.DEFAULT_MAX_PROMPTS,
+                     help="most prompts in one /v1/completions request (default 64)")
+    lim.add_argument("--max-waiting-requests", type=int, default=None,
+                     help="sequences allowed to wait beyond --max-num-seqs; past it new "
+                          "requests get 503 with Retry-After (default: unbounded)")
+
+
+def server_limits_from(ns: argparse.Namespace) -> limits.ServerLimits:
+    return limits.ServerLimits(
+        max_request_body_bytes=ns.max_request_body_bytes, max_json_depth=ns.max_json_depth,
+        max_n=ns.max_n, max_stop=ns.max_stop, max_stop_length=ns.max_stop_length,
+        max_prompts=ns.max_prompts, max_waiting_requests=ns.max_waiting_requests)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -81,13 +106,14 @@ def run_serve(ns: argparse.Namespace) -> None:
     try:
         try:
             chat_template = load_chat_template(ns.chat_template)
+            server_limits = server_limits_from(ns)
             config = args.create_engine_config()
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
         engine = AsyncLLM(config, log_stats=not ns.disable_log_stats,
                           log_requests=ns.enable_log_requests)
-        app = build_app(engine, names, chat_template, api_key)
+        app = build_app(engine, names, chat_template, api_key, server_limits)
         if ns.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             logger.warning("Serving on %s without --api-key: anyone who can reach this port "
                            "can use the model.", ns.host)

@@ -46,6 +46,7 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    priority: int = 0  # lower is served sooner; needs --scheduling-policy priority
     stream: bool = False
     stream_options: StreamOptions | None = None
 

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagellm.engine.async_llm import AsyncLLM, RequestStream
+from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -91,8 +92,9 @@ class ChatRenderer:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine: AsyncLLM, models: ServedModels, renderer: ChatRenderer) -> None:
-        super().__init__(engine, models)
+    def __init__(self, engine: AsyncLLM, models: ServedModels, renderer: ChatRenderer,
+                 limits: ServerLimits | None = None) -> None:
+        super().__init__(engine, models, limits)
         self.renderer = renderer
 
     async def create(self, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
@@ -106,7 +108,7 @@ class OpenAIServingChat(OpenAIServing):
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
         request_id = random_id("chatcmpl")
-        streams = self.start(request_id, [prompt], params, req.stream)
+        streams = self.start(request_id, [prompt], params, req.stream, req.priority)
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, model, streams[0]),
                                      media_type="text/event-stream")

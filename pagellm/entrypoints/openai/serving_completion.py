@@ -43,6 +43,9 @@ class OpenAIServingCompletion(OpenAIServing):
             items = [p]  # type: ignore[list-item]
         else:
             items = list(p)  # type: ignore[arg-type]
+        if len(items) > self.limits.max_prompts:
+            raise bad_request(f"prompt has {len(items)} prompts, more than "
+                              f"{self.limits.max_prompts} (--max-prompts).", "prompt")
         prompts: list[PromptType] = []
         for item in items:
             if isinstance(item, str):
@@ -62,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = self.prompts(req)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         request_id = random_id("cmpl")
-        streams = self.start(request_id, prompts, params, req.stream)
+        streams = self.start(request_id, prompts, params, req.stream, req.priority)
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, model, streams),
                                      media_type="text/event-stream")

@@ -13,8 +13,14 @@ from pydantic import BaseModel
 
 from pagellm.engine.async_llm import AsyncLLM, OutputKind, RequestStream
 from pagellm.engine.input_processor import PromptType
+from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.protocol import SamplingFields
-from pagellm.entrypoints.openai.serving_errors import bad_request, error_body, model_not_found
+from pagellm.entrypoints.openai.serving_errors import (
+    OpenAIError,
+    bad_request,
+    error_body,
+    model_not_found,
+)
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -34,14 +40,54 @@ class ServedModels:
         return name
 
 
+RETRY_AFTER_S = 1  # what a 503 for a full waiting queue tells clients to wait
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, models: ServedModels) -> None:
+    def __init__(self, engine: AsyncLLM, models: ServedModels,
+                 limits: ServerLimits | None = None) -> None:
         self.engine = engine
         self.models = models
         self.tokenizer = engine.tokenizer
+        self.limits = limits or ServerLimits()
+
+    def check_limits(self, req: SamplingFields) -> None:
+        """The configurable caps on n and stop strings (see limits.py)."""
+        lim = self.limits
+        if req.n > lim.max_n:
+            raise bad_request(f"n must be <= {lim.max_n} (--max-n), got {req.n}.", "n")
+        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stops) > lim.max_stop:
+            raise bad_request(f"stop has {len(stops)} strings, more than {lim.max_stop} "
+                              "(--max-stop).", "stop")
+        if any(len(s) > lim.max_stop_length for s in stops):
+            raise bad_request(f"Each stop string must be at most {lim.max_stop_length} "
+                              "characters (--max-stop-length).", "stop")
+        if req.stop_token_ids is not None and len(req.stop_token_ids) > lim.max_stop:
+            raise bad_request(f"stop_token_ids has more than {lim.max_stop} ids (--max-stop).",
+                              "stop_token_ids")
+
+    def check_capacity(self, num_seqs: int) -> None:
+        """503 + Retry-After when admitting ``num_seqs`` more sequences would let more than
+        --max-waiting-requests wait beyond the --max-num-seqs that can run."""
+        cap = self.limits.max_waiting_requests
+        if cap is None:
+            return
+        running_cap = self.engine.config.scheduler.max_num_seqs
+        if num_seqs > running_cap + cap:  # retrying would never help
+            raise bad_request(f"The request asks for {num_seqs} sequences (prompts x n), more "
+                              f"than this server ever admits at once ({running_cap + cap}).",
+                              "n")
+        waiting = self.engine.num_unfinished_requests + num_seqs - running_cap
+        if waiting > cap:
+            raise OpenAIError(503, f"The server is overloaded: the waiting queue is full "
+                              f"(--max-waiting-requests {cap}). Retry later.",
+                              code="server_overloaded",
+                              headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
+        self.check_limits(req)
         logit_bias = None
         if req.logit_bias:
             try:
@@ -72,14 +118,19 @@ class OpenAIServing:
             raise bad_request(str(e).removeprefix("SamplingParams.")) from None
 
     def start(self, request_id: str, prompts: Sequence[PromptType], params: SamplingParams,
-              stream: bool) -> list[RequestStream]:
+              stream: bool, priority: int = 0) -> list[RequestStream]:
         """Validate and start every prompt, or none (a bad prompt is a 400 before any work)."""
+        if priority != 0 and self.engine.config.scheduler.policy != "priority":
+            raise bad_request("priority needs a server started with --scheduling-policy "
+                              "priority.", "priority")
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+        self.check_capacity(len(prompts) * params.n)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(self.engine.add_request(rid, prompt, params, kind))
+                streams.append(self.engine.add_request(rid, prompt, params, kind,
+                                                       priority=priority))
         except ValueError as e:
             close_all(streams)
             raise bad_request(str(e), "prompt") from None

@@ -21,12 +21,13 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 def error_body(status: int, message: str, param: str | None = None,
@@ -36,8 +37,10 @@ def error_body(status: int, message: str, param: str | None = None,
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   code: str | int | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+                   code: str | int | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status,
+                        headers=headers)
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -67,7 +70,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OpenAIError)
     async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(ValueError)
     async def _value(request: Request, exc: ValueError) -> JSONResponse:

@@ -1,0 +1,168 @@
+"""Limits on what one HTTP request may ask for (hostile or careless clients), and the ASGI
+middleware that enforces the byte-level ones before FastAPI parses anything.
+
+Every limit is a ``pagellm serve`` flag; docs/reliability.md lists them with their defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from pagellm.entrypoints.openai.serving_errors import error_body
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 2**20  # a 128k-token prompt as ids is about 1 MiB
+DEFAULT_MAX_JSON_DEPTH = 32  # real requests nest 4 deep; Python's parser recurses per level
+DEFAULT_MAX_N = 16
+DEFAULT_MAX_STOP = 32
+DEFAULT_MAX_STOP_LENGTH = 256  # characters per stop string
+DEFAULT_MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    max_n: int = DEFAULT_MAX_N
+    max_stop: int = DEFAULT_MAX_STOP
+    max_stop_length: int = DEFAULT_MAX_STOP_LENGTH
+    max_prompts: int = DEFAULT_MAX_PROMPTS
+    # Sequences that may wait beyond --max-num-seqs before new requests get 503; None = no bound.
+    max_waiting_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_body_bytes", "max_json_depth", "max_n", "max_stop",
+                     "max_stop_length", "max_prompts"):
+            if getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}.")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError("--max-waiting-requests must be >= 0, "
+                             f"got {self.max_waiting_requests}.")
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
+
+
+def json_depth_exceeds(body: bytes, limit: int) -> bool:
+    """Whether the JSON text nests arrays/objects deeper than ``limit`` (brackets inside strings
+    do not count). Cheap: one regex pass, then a loop over the brackets only, stopping early."""
+    brackets = _NOT_BRACKET.sub(b"", _JSON_STRING.sub(b"", body))
+    if len(brackets) <= 2 * limit:
+        return False
+    depth = 0
+    for c in brackets:
+        if c in b"[{":
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def _reject(status: int, message: str, param: str | None, code: str) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+class RequestLimitsMiddleware:
+    """For requests with a body: 413 past ``max_request_body_bytes`` (from Content-Length, or
+    while reading a chunked body), 400 for bodies that are not UTF-8 or nest JSON deeper than
+    ``max_json_depth``. The checked body is replayed to the app; later ``receive`` calls
+    (disconnect detection) go to the client as usual."""
+
+    def __init__(self, app: Any, limits: ServerLimits) -> None:
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        limit = self.limits.max_request_body_bytes
+        too_big = _reject(413, f"The request body is larger than {limit} bytes "
+                          "(--max-request-body-bytes).", None, "request_too_large")
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > limit:
+                    await too_big(scope, receive, send)
+                    return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await too_big(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        error = self._check(body)
+        if error is not None:
+            await error(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _check(self, body: bytes) -> JSONResponse | None:
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return _reject(400, f"The request body is not valid UTF-8 (byte {e.start}).",
+                           None, "invalid_encoding")
+        if json_depth_exceeds(body, self.limits.max_json_depth):
+            return _reject(400, f"The JSON body nests deeper than {self.limits.max_json_depth} "
+                           "levels (--max-json-depth).", None, "json_too_deep")
+        if _SURROGATE_ESCAPE.search(body) and has_lone_surrogate(body):
+            # "\ud800" alone decodes to a str that no tokenizer or hash can encode.
+            return _reject(400, "The request has a string with an unpaired UTF-16 surrogate "
+                           "escape (\\ud800-\\udfff).", None, "invalid_encoding")
+        return None
+
+
+def has_lone_surrogate(body: bytes) -> bool:
+    """Whether a JSON string (key or value) holds an unpaired surrogate; only called on bodies
+    with such an escape, already checked for depth. Unparseable bodies are FastAPI's to
+    answer."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return False
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+    return False
+

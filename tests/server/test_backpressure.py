@@ -1,0 +1,84 @@
+"""--max-waiting-requests: past the bound, new requests get 503 + Retry-After (not an ever
+growing queue); once the backlog drains, requests are admitted again."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from server_utils import ServerProcess, metric, scrape, wait_until
+
+# One running sequence plus two waiting ones fit; a fourth sequence is refused.
+ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8MiB",
+        "--max-num-seqs", "1", "--max-num-batched-tokens", "64", "--max-waiting-requests", "2"]
+LONG = {"prompt": "hello", "max_tokens": 250, "ignore_eos": True, "temperature": 0,
+        "stream": True}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_llama_dir):
+    log = tmp_path_factory.mktemp("backpressure") / "server.log"
+    srv = ServerProcess([str(tiny_llama_dir), *ARGS], log)
+    yield srv
+    srv.stop()
+
+
+def stream_first_chunk(base_url: str, body: dict, started: threading.Event,
+                       results: list, hold: threading.Event) -> None:
+    """Start a streaming request, signal once its headers arrived, keep it open until ``hold``."""
+    with httpx.Client(base_url=base_url, timeout=120) as c, \
+            c.stream("POST", "/v1/completions", json=body) as resp:
+        results.append(resp.status_code)
+        started.set()
+        if resp.status_code != 200:
+            return
+        text = ""
+        for chunk in resp.iter_text():
+            text += chunk
+            if hold.is_set():
+                break  # disconnect: the request is aborted
+        results.append(text)
+
+
+def test_full_queue_gets_503_then_recovers(server):
+    base = server.base_url
+    hold = threading.Event()
+    threads, results = [], []
+    try:
+        for _ in range(3):  # 1 running + 2 waiting
+            started = threading.Event()
+            res: list = []
+            t = threading.Thread(target=stream_first_chunk,
+                                 args=(base, LONG, started, res, hold), daemon=True)
+            t.start()
+            assert started.wait(60)
+            threads.append(t)
+            results.append(res)
+        assert [r[0] for r in results] == [200, 200, 200]
+        over = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                          timeout=60)
+        assert over.status_code == 503, over.text
+        assert over.headers["retry-after"] == "1"
+        err = over.json()["error"]
+        assert err["code"] == "server_overloaded" and err["type"] == "server_error"
+        # n counts as n sequences: the chat endpoint is bounded the same way.
+        chat = httpx.post(f"{base}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, timeout=60)
+        assert chat.status_code == 503
+        assert httpx.get(f"{base}/health").status_code == 200
+    finally:
+        hold.set()
+        for t in threads:
+            t.join(120)
+    # Disconnected streams are aborted: the queue drains and requests are admitted again.
+    assert wait_until(lambda: metric(scrape(base), "pagellm:num_requests_running") == 0
+                      and metric(scrape(base), "pagellm:num_requests_waiting") == 0, 60)
+    ok = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2,
+                                                    "n": 3}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    assert len(ok.json()["choices"]) == 3
+    # n = 4 alone is more than 1 running + 2 waiting: it could never be admitted (400).
+    too_many = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2,
+                                                          "n": 4}, timeout=60)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
