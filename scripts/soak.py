@@ -80,7 +80,7 @@ def make_request(rng: random.Random, i: int) -> dict:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
-    disconnect_after = rng.choice([None] * 6 + [0, 1, 3])
+    disconnect_after = rng.choice([None] * 8 + [0, 1, 3])  # about a quarter disconnect
     return {"path": "/v1/chat/completions" if chat else "/v1/completions", "body": body,
             "disconnect_after": disconnect_after, "greedy": greedy, "prompt": prompt}
 
@@ -258,6 +258,9 @@ def main() -> None:
                       "tokens"):
                 setattr(total, k, getattr(total, k) + getattr(rep, k))
             total.failures += rep.failures
+            total.greedy_runs += rep.greedy_runs
+            for key, texts in rep.greedy_texts.items():
+                total.greedy_texts.setdefault(key, set()).update(texts)
             total.elapsed_s += rep.elapsed_s
             idle = wait_until(lambda: metric(scrape(base), "pagellm:num_requests_running")
                               + metric(scrape(base), "pagellm:num_requests_waiting") == 0, 60)
@@ -267,6 +270,8 @@ def main() -> None:
                   f"rss_mib={samples[-1] / 1024 if samples else 'n/a'}", flush=True)
             if metric(m, "pagellm:kv_cache_usage_perc") != 0:
                 total.failures.append(f"round {r}: KV blocks still in use at idle")
+        total.failures += [f"greedy outputs differ across rounds for {k}: {t}"
+                           for k, t in total.greedy_texts.items() if len(t) != 1]
         health = httpx.get(f"{base}/health").status_code
         m = scrape(base)
         print(json.dumps(total.summary() | {

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.models import gguf_cache
-from pagellm.models.loader import build_model, load_hf_config, load_tokenizer, \
-    resolve_model_source
+from pagellm.models.loader import build_model, load_hf_config, load_tokenizer, resolve_model_source
 
 
 def test_cached_conversion_equals_direct_load(tmp_path, monkeypatch) -> None:
