@@ -42,6 +42,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", default="512MiB")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's); 1 is steadier on a shared machine")
     p.add_argument("--output-json", default=None)
     p.add_argument("--sweep-rows", action="store_true",
                    help="only time the CPU kernels against dequantize + matmul per row count")
@@ -175,6 +177,8 @@ def sweep_rows(ns: argparse.Namespace) -> None:
 
 def main() -> None:
     ns = _parse()
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
     if ns.sweep_rows:
         sweep_rows(ns)
         return

@@ -58,13 +58,18 @@ def setup():
         src = resolve_model_source(None)
     except ValueError as e:
         pytest.skip(str(e))
+    # One thread: on a shared, oversubscribed machine OpenMP's spinning threads made each small
+    # forward cost ~1 s of CPU instead of ~0.1 s.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     tok = load_tokenizer(src)
     base = build_model(load_hf_config(src), src, torch.bfloat16, torch.device("cpu"))
     models = {"bf16": base}
     for spec in ("int8", "int4"):
         models[spec] = copy.deepcopy(base)
         quantize_model(models[spec], spec)
-    return tok, models
+    yield tok, models
+    torch.set_num_threads(threads)
 
 
 @torch.inference_mode()
