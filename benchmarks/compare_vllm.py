@@ -21,18 +21,26 @@ import time
 
 VLLM_SNIPPET = r"""
 import json, sys, time
-from vllm import LLM, SamplingParams
-path, dtype, hf_dir = sys.argv[1], sys.argv[2], sys.argv[3]
-reqs = [json.loads(l) for l in open(path)]
-llm = LLM(model=hf_dir, dtype=dtype, max_model_len=2048, enable_prefix_caching=False)
-prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
-params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
-t = time.perf_counter()
-outs = llm.generate(prompts, params, use_tqdm=False)
-dt = time.perf_counter() - t
-n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
-print("RESULT " + json.dumps({"elapsed_s": dt, "prompt_tokens": n_in, "output_tokens": n_out}))
+
+
+def main():
+    from vllm import LLM, SamplingParams
+    path, dtype, hf_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+    reqs = [json.loads(line) for line in open(path)]
+    llm = LLM(model=hf_dir, dtype=dtype, max_model_len=2048, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
+              for r in reqs]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
+    print("RESULT " + json.dumps({"elapsed_s": dt, "prompt_tokens": n_in, "output_tokens": n_out}))
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process
+    main()
 """
 
 

@@ -144,7 +144,7 @@ def _sweep_fns(x: torch.Tensor, weight: torch.Tensor, l8: Any, l4: Any) -> dict[
         "int8 deq": lambda: F.linear(x, l8.qweight.to(dt)) * l8.scales,
         "int4 op": lambda: torch._weight_int4pack_mm_for_cpu(x, l4.qweight, m4.group_size,
                                                              l4.scales_and_zeros),
-        "int4 deq": lambda: torch.mm(x, m4._weight_t(l4).to(dt)),
+        "int4 deq": lambda: torch.mm(x, m4._weight_t(l4, dt)),
     }
 
 

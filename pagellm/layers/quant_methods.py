@@ -39,6 +39,7 @@ from pagellm.layers.quantization import (
 # --sweep-rows measures the crossover; int4's dequantization costs more, so it switches later).
 INT8_KERNEL_MAX_ROWS = 12
 INT4_KERNEL_MAX_ROWS = 96
+_DEQUANT_CHUNK = 2**17  # float32 elements dequantized at a time
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -146,14 +147,21 @@ class CpuInt4Method(QuantMethod):
         out = torch._weight_int4pack_mm_for_cpu(eye, layer.qweight, g, ones)
         return out.round().to(torch.uint8)
 
-    def _weight_t(self, layer: nn.Module) -> torch.Tensor:
-        """``W^T`` ``[K, padded N]`` in float32 (faster than bf16 elementwise math on CPU)."""
+    def _weight_t(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """``W^T`` ``[K, padded N]`` in ``dtype``. The math runs in float32 (exact codes, one
+        rounding, and faster than bf16 elementwise math on CPU), a few groups at a time so the
+        float32 temporaries stay in cache (2x faster on SmolLM2's gate_up)."""
         n, k, g = self.padded_n, self.in_features, self.group_size
         sz = layer.scales_and_zeros.float()  # [G, N, 2]
         scales = sz[..., 0].unsqueeze(1)
         mins = (sz[..., 1] - 8 * sz[..., 0]).unsqueeze(1)
-        codes = self._codes_t(layer).float().view(k // g, g, n)
-        return torch.addcmul(mins, codes, scales).view(k, n)
+        codes = self._codes_t(layer).view(k // g, g, n)
+        out = torch.empty(k // g, g, n, dtype=dtype, device=codes.device)
+        step = max(1, _DEQUANT_CHUNK // (g * n))
+        for i in range(0, k // g, step):
+            torch.addcmul(mins[i : i + step], codes[i : i + step].float(), scales[i : i + step],
+                          out=out[i : i + step])
+        return out.view(k, n)
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.compute_dtype).contiguous()
@@ -161,11 +169,11 @@ class CpuInt4Method(QuantMethod):
             y = torch._weight_int4pack_mm_for_cpu(x, layer.qweight, self.group_size,
                                                   layer.scales_and_zeros)
         else:
-            y = torch.mm(x, self._weight_t(layer).to(self.compute_dtype))
+            y = torch.mm(x, self._weight_t(layer, self.compute_dtype))
         return y[:, : self.out_features] if self.padded_n != self.out_features else y
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return self._weight_t(layer).t()[: self.out_features]
+        return self._weight_t(layer, torch.float32).t()[: self.out_features]
 
 
 class TorchDequantMethod(QuantMethod):
