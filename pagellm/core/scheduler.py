@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from typing import Protocol
@@ -18,6 +19,8 @@ from pagellm.core.sched_output import (
 )
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import Request, RequestStatus
+
+logger = logging.getLogger("pagellm")
 
 
 class SchedulerConfigLike(Protocol):
@@ -194,6 +197,13 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
+        # Warn on the first preemption and then every 100th: frequent preemption means the KV
+        # cache is too small for the load (recompute wastes work).
+        if self.num_preemptions % 100 == 1:
+            logger.warning(
+                "Preempted request %s (recompute): KV cache full; %d preemptions so far. Raise "
+                "--kv-cache-memory / --gpu-memory-utilization or lower --max-num-seqs.",
+                request.request_id, self.num_preemptions)
 
     def update_from_output(
         self, sched_output: SchedulerOutput, runner_output: ModelRunnerOutput

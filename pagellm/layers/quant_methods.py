@@ -38,7 +38,7 @@ from pagellm.layers.quantization import (
 # Above this many rows the CPU ops lose to dequantize + bf16 matmul (benchmarks/quantization.py
 # --sweep-rows measures the crossover; int4's dequantization costs more, so it switches later).
 INT8_KERNEL_MAX_ROWS = 12
-INT4_KERNEL_MAX_ROWS = 96
+INT4_KERNEL_MAX_ROWS = 64
 _DEQUANT_CHUNK = 2**17  # float32 elements dequantized at a time
 
 
