@@ -66,14 +66,16 @@ class LinearBase(nn.Module):
         return self.quant_method.apply(self, x, bias)
 
     @torch.no_grad()
-    def quantize_(self, config: QuantConfig, backend: str = "cpu") -> int | None:
+    def quantize_(self, config: QuantConfig, backend: str = "auto") -> int | None:
         """After loading: replace ``weight`` by quantized parameters (this rank's shard).
 
         Returns the int4 group size used (0 for int8), or None when the layer stays in float.
         """
         from pagellm.layers.quant_methods import make_quant_method
+        from pagellm.layers.quantization import resolve_backend
 
         assert self.quant_method is None, "layer already quantized"
+        backend = resolve_backend(backend, self.weight.device)
         method = make_quant_method(config, self.weight.data, backend)
         if method is None:
             return None

@@ -3,8 +3,8 @@
 One bf16 build per module; the quantized models are copies quantized in place. Perplexity is
 computed from the prompt logprobs of a fixed text (one causal forward, no KV cache); greedy
 continuations are recomputed token by token. Measured on this machine (torch 2.13, CPU):
-- perplexity: bf16 19.16, int8 19.23 (+0.4%), int4 (group 32) 19.34 (+0.9%); int4-g128 would
-  be 29.7 (+55%): re-quantizing a 4-bit checkpoint onto coarser groups hurts, see the docs.
+- perplexity: bf16 19.16, int8 19.23 (+0.4%), int4 (group 32) 19.21 (+0.3%); int4-g128 would
+  be 29.8 (+55%): re-quantizing a 4-bit checkpoint onto coarser groups hurts, see the docs.
 - greedy, 8 prompts x 16 tokens: int8 gives 5/8 identical continuations and 125/128 identical
   next tokens given bf16's prefix (fp32 vs bf16, for scale: 6/8 and 126/128); int4 7/8, 128/128.
 """
