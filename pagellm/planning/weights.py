@@ -9,7 +9,8 @@ LM head shares the embedding's tensor and costs nothing more.
 Quantization is weight-only and applies to the decoder's linear layers; embeddings, LM head,
 norms and biases stay in the model dtype (as AWQ/GPTQ-style checkpoints keep them):
 - int8: 1 byte per weight + one fp16 scale per output channel;
-- int4: half a byte per weight + one fp16 scale per group of 128 input weights.
+- int4: half a byte per weight + a 16-bit scale and zero point per group of 32 input weights
+  (the engine's default ``int4``, pagellm.layers.quantization.DEFAULT_INT4_GROUP_SIZE).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pagellm.planning.model_spec import ModelSpec
 from pagellm.worker.memory_plan import kv_heads_per_rank
 
 QUANTIZATIONS = ("none", "int8", "int4")
-INT4_GROUP_SIZE = 128
-SCALE_BYTES = 2  # fp16 scales
+INT4_GROUP_SIZE = 32  # = pagellm.layers.quantization.DEFAULT_INT4_GROUP_SIZE (no torch here)
+SCALE_BYTES = 2  # 16-bit scales (and int4 zero points)
 
 
 def linear_weight_bytes(out_features: int, in_features: int, dtype_bytes: int,
@@ -35,7 +36,8 @@ def linear_weight_bytes(out_features: int, in_features: int, dtype_bytes: int,
         return out_features * in_features + out_features * SCALE_BYTES
     if quantization == "int4":
         groups = math.ceil(in_features / INT4_GROUP_SIZE)
-        return math.ceil(out_features * in_features / 2) + out_features * groups * SCALE_BYTES
+        return (math.ceil(out_features * in_features / 2)
+                + out_features * groups * 2 * SCALE_BYTES)  # scale + zero point per group
     raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
                      f"got {quantization!r}.")
 

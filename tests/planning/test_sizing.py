@@ -109,15 +109,15 @@ def test_parameter_count_equals_transformers(config):
 
 def test_quantized_weight_bytes_by_hand():
     assert linear_weight_bytes(4096, 4096, 2, "int8") == 4096 * 4096 + 4096 * 2
-    assert linear_weight_bytes(4096, 4096, 2, "int4") == 4096 * 4096 // 2 + 4096 * 32 * 2
-    assert linear_weight_bytes(10, 130, 2, "int4") == 650 + 10 * 2 * 2  # 2 groups of <= 128
+    assert linear_weight_bytes(4096, 4096, 2, "int4") == 4096 * 4096 // 2 + 4096 * 128 * 2 * 2
+    assert linear_weight_bytes(10, 130, 2, "int4") == 650 + 10 * 5 * 2 * 2  # 5 groups of <= 32
     spec = _spec(QWEN25_7B)
     h, i, layers = 3584, 18944, 28
     # (out, in) of the q/k/v, o, gate/up and down weights of one layer.
     shapes = [(3584 + 2 * 512, h), (h, 3584), (2 * i, h), (h, i)]
     kept = 2 * 152064 * h * 2 + layers * (3584 + 2 * 512) * 2 + (2 * layers + 1) * h * 2
     int8 = kept + layers * sum(o * n + 2 * o for o, n in shapes)
-    int4 = kept + layers * sum(o * n // 2 + 2 * o * math.ceil(n / 128) for o, n in shapes)
+    int4 = kept + layers * sum(o * n // 2 + 2 * 2 * o * math.ceil(n / 32) for o, n in shapes)
     assert weight_bytes_per_rank(spec, 2, 1, "int8").total == int8
     assert weight_bytes_per_rank(spec, 2, 1, "int4").total == int4
     with pytest.raises(ValueError, match="--quantization"):
