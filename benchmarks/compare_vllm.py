@@ -1,7 +1,7 @@
 """Run pagellm and vLLM's CPU build back to back on one workload and print the ratios.
 
 usage: python benchmarks/compare_vllm.py WORKLOAD.jsonl [--dtype bfloat16] [--vllm-python PATH]
-       [--hf-dir DIR] [--skip-vllm] [--output-json FILE]
+       [--hf-dir DIR] [--skip-vllm] [--output-json FILE] [pagellm bench throughput flags...]
 
 The workload is a JSONL of {"prompt_token_ids": [...], "max_tokens": N} (see
 ../shared/bench/workload.py); every request is generated in full (ignore_eos), greedy, all
@@ -86,10 +86,8 @@ def main() -> int:
     ap.add_argument("--hf-dir", default=None)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--output-json", default=None)
-    ap.add_argument("pagellm_args", nargs=argparse.REMAINDER,
-                    help="extra flags for pagellm bench throughput (after --)")
-    ns = ap.parse_args()
-    extra = [a for a in ns.pagellm_args if a != "--"]
+    # Any other flag goes to `pagellm bench throughput` (e.g. --max-num-batched-tokens 4096).
+    ns, extra = ap.parse_known_args()
     with open("/proc/loadavg") as f:
         load = float(f.read().split()[0])
     print(f"load average at start: {load:.2f}" + ("  (NOT idle: figures unreliable)"
