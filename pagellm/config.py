@@ -242,28 +242,8 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, hf_config, device)
         check_tensor_parallel(self.tensor_parallel_size, hf_config, device, self.device)
 
-        context_len = _model_context_len(hf_config)
-        max_model_len = self.max_model_len or context_len
-        if max_model_len < 1:
-            raise ValueError(f"--max-model-len must be >= 1, got {max_model_len}.")
-        if max_model_len > context_len and not os.environ.get("PAGELLM_ALLOW_LONG_MAX_MODEL_LEN"):
-            raise ValueError(
-                f"--max-model-len {max_model_len} is larger than the model's context length "
-                f"({context_len}). Lower --max-model-len, or set "
-                "PAGELLM_ALLOW_LONG_MAX_MODEL_LEN=1 if you know the model extrapolates.")
-        max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        if max_num_batched_tokens < 1:
-            raise ValueError("--max-num-batched-tokens must be >= 1, "
-                             f"got {max_num_batched_tokens}.")
-        # Unset, the sequence limit follows a small token budget down instead of failing.
-        max_num_seqs = self.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens)
-        if max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {max_num_seqs}.")
-        if max_num_batched_tokens < max_num_seqs:
-            # Every running request needs one token per step for decode.
-            raise ValueError(
-                f"--max-num-batched-tokens ({max_num_batched_tokens}) must be >= --max-num-seqs "
-                f"({max_num_seqs}) so every running sequence can decode each step.")
+        max_model_len, max_num_seqs, max_num_batched_tokens = resolve_scheduler_limits(
+            self, _model_context_len(hf_config))
 
         model_name = self.served_model_name or (self.model or "SmolLM2-135M-Instruct")
         if attention_backend_unavailable(self.attention_backend, device):
@@ -289,6 +269,32 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             disable_log_stats=self.disable_log_stats,
         )
+
+
+def resolve_scheduler_limits(args: EngineArgs, context_len: int) -> tuple[int, int, int]:
+    """(max_model_len, max_num_seqs, max_num_batched_tokens) with defaults applied and checked;
+    shared by the engine and `pagellm plan` so both accept and refuse the same flags."""
+    max_model_len = args.max_model_len or context_len
+    if max_model_len < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {max_model_len}.")
+    if max_model_len > context_len and not os.environ.get("PAGELLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        raise ValueError(
+            f"--max-model-len {max_model_len} is larger than the model's context length "
+            f"({context_len}). Lower --max-model-len, or set "
+            "PAGELLM_ALLOW_LONG_MAX_MODEL_LEN=1 if you know the model extrapolates.")
+    batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if batched < 1:
+        raise ValueError(f"--max-num-batched-tokens must be >= 1, got {batched}.")
+    # Unset, the sequence limit follows a small token budget down instead of failing.
+    max_num_seqs = args.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, batched)
+    if max_num_seqs < 1:
+        raise ValueError(f"--max-num-seqs must be >= 1, got {max_num_seqs}.")
+    if batched < max_num_seqs:
+        # Every running request needs one token per step for decode.
+        raise ValueError(
+            f"--max-num-batched-tokens ({batched}) must be >= --max-num-seqs "
+            f"({max_num_seqs}) so every running sequence can decode each step.")
+    return max_model_len, max_num_seqs, batched
 
 
 def attention_backend_unavailable(name: str, device: torch.device) -> bool:

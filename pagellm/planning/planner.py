@@ -6,7 +6,6 @@ plan_kv_cache, fed with estimates here and with measured numbers at engine start
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -141,12 +140,7 @@ def resolve_settings(args: EngineArgs, spec: ModelSpec, device: DeviceTarget,
     EngineArgs.create_engine_config, which needs the whole transformers config)."""
     import torch
 
-    from pagellm.config import (
-        DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        DEFAULT_MAX_NUM_SEQS,
-        parse_size,
-        resolve_dtype,
-    )
+    from pagellm.config import parse_size, resolve_dtype, resolve_scheduler_limits
 
     if args.block_size not in (1, 8, 16, 32, 64, 128):
         raise ValueError(f"--block-size must be one of 1, 8, 16, 32, 64, 128, "
@@ -154,24 +148,7 @@ def resolve_settings(args: EngineArgs, spec: ModelSpec, device: DeviceTarget,
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ValueError("--gpu-memory-utilization must be in (0, 1], "
                          f"got {args.gpu_memory_utilization}.")
-    max_model_len = args.max_model_len or spec.context_len
-    if max_model_len < 1:
-        raise ValueError(f"--max-model-len must be >= 1, got {max_model_len}.")
-    if max_model_len > spec.context_len and not os.environ.get("PAGELLM_ALLOW_LONG_MAX_MODEL_LEN"):
-        raise ValueError(
-            f"--max-model-len {max_model_len} is larger than the model's context length "
-            f"({spec.context_len}). Lower --max-model-len, or set "
-            "PAGELLM_ALLOW_LONG_MAX_MODEL_LEN=1 if you know the model extrapolates.")
-    batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    if batched < 1:
-        raise ValueError(f"--max-num-batched-tokens must be >= 1, got {batched}.")
-    max_num_seqs = args.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, batched)
-    if max_num_seqs < 1:
-        raise ValueError(f"--max-num-seqs must be >= 1, got {max_num_seqs}.")
-    if batched < max_num_seqs:
-        raise ValueError(
-            f"--max-num-batched-tokens ({batched}) must be >= --max-num-seqs "
-            f"({max_num_seqs}) so every running sequence can decode each step.")
+    max_model_len, max_num_seqs, batched = resolve_scheduler_limits(args, spec.context_len)
     dtype = resolve_dtype(args.dtype, _DtypeHint(spec.config_dtype), torch.device(device.kind))
     return PlanSettings(
         dtype=str(dtype).removeprefix("torch."), quantization=quantization,
