@@ -212,12 +212,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         from pagellm.models.loader import load_hf_config, resolve_model_source
 
-        if self.block_size not in (1, 8, 16, 32, 64, 128):
-            raise ValueError(f"--block-size must be one of 1, 8, 16, 32, 64, 128, "
-                             f"got {self.block_size}.")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("--gpu-memory-utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}.")
+        check_cache_flags(self)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got "
                              f"{self.tensor_parallel_size}.")
@@ -269,6 +264,16 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             disable_log_stats=self.disable_log_stats,
         )
+
+
+def check_cache_flags(args: EngineArgs) -> None:
+    """--block-size and --gpu-memory-utilization; shared by the engine and `pagellm plan`."""
+    if args.block_size not in (1, 8, 16, 32, 64, 128):
+        raise ValueError(f"--block-size must be one of 1, 8, 16, 32, 64, 128, "
+                         f"got {args.block_size}.")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ValueError("--gpu-memory-utilization must be in (0, 1], "
+                         f"got {args.gpu_memory_utilization}.")
 
 
 def resolve_scheduler_limits(args: EngineArgs, context_len: int) -> tuple[int, int, int]:

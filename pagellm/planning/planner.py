@@ -140,14 +140,14 @@ def resolve_settings(args: EngineArgs, spec: ModelSpec, device: DeviceTarget,
     EngineArgs.create_engine_config, which needs the whole transformers config)."""
     import torch
 
-    from pagellm.config import parse_size, resolve_dtype, resolve_scheduler_limits
+    from pagellm.config import (
+        check_cache_flags,
+        parse_size,
+        resolve_dtype,
+        resolve_scheduler_limits,
+    )
 
-    if args.block_size not in (1, 8, 16, 32, 64, 128):
-        raise ValueError(f"--block-size must be one of 1, 8, 16, 32, 64, 128, "
-                         f"got {args.block_size}.")
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
-        raise ValueError("--gpu-memory-utilization must be in (0, 1], "
-                         f"got {args.gpu_memory_utilization}.")
+    check_cache_flags(args)
     max_model_len, max_num_seqs, batched = resolve_scheduler_limits(args, spec.context_len)
     dtype = resolve_dtype(args.dtype, _DtypeHint(spec.config_dtype), torch.device(device.kind))
     return PlanSettings(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tp_utils import pid_alive
 
 from pagellm.worker.multiproc_executor import free_port
 
@@ -24,13 +25,6 @@ SERVE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-
                "--served-model-name", "tiny"]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -145,4 +139,4 @@ def test_stopping_the_launcher_stops_every_replica(tiny_model_dir) -> None:
     assert len(children) == 2
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
-    assert not any(_alive(pid) for pid in children)
+    assert not any(pid_alive(pid) for pid in children)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from tp_utils import prompts, tp2_llm
+from tp_utils import pid_alive, prompts, tp2_llm
 
 from pagellm import LLM, SamplingParams
 from pagellm.config import check_tensor_parallel
@@ -49,20 +49,12 @@ def test_more_ranks_than_gpus_is_refused(make_tiny_config) -> None:
         check_tensor_parallel(2, cfg, cuda, "cuda:1", num_cuda_devices=2)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it has exited all the same.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def _wait_all_gone(pids: list[int], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not any(_pid_alive(p) for p in pids):
+        if not any(pid_alive(p) for p in pids):
             return True
         time.sleep(0.05)
     return False

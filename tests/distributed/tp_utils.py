@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import math
+import os
 import random
 from pathlib import Path
 
@@ -78,3 +79,13 @@ def expected_rank_bytes(path: Path, config, rank: int, tp: int, dtype_bytes: int
 
 def checkpoint_bytes(path: Path, dtype_bytes: int = 4) -> int:
     return sum(math.prod(s) for s in checkpoint_shapes(path).values()) * dtype_bytes
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie still answers kill(0) but has exited all the same."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
