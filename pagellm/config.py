@@ -225,8 +225,8 @@ class EngineArgs:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("--scheduling-policy must be fcfs or priority, "
                              f"got {self.scheduling_policy!r}.")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError("--attention-backend must be auto, torch or triton, "
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            raise ValueError("--attention-backend must be auto, cpu, torch or triton, "
                              f"got {self.attention_backend!r}.")
         from pagellm.layers.quantization import parse_quantization
 
@@ -242,8 +242,10 @@ class EngineArgs:
 
         model_name = self.served_model_name or (self.model or "SmolLM2-135M-Instruct")
         if attention_backend_unavailable(self.attention_backend, device):
-            raise ValueError("--attention-backend triton needs a CUDA device and the triton "
-                             "package (or TRITON_INTERPRET=1 for testing).")
+            raise ValueError(f"--attention-backend {self.attention_backend} "
+                             + ("runs on CPU devices only." if self.attention_backend == "cpu"
+                                else "needs a CUDA device and the triton package (or "
+                                "TRITON_INTERPRET=1 for testing)."))
         return EngineConfig(
             model=ModelConfig(
                 model=self.model, source=source, hf_config=hf_config, tokenizer=self.tokenizer,
@@ -303,6 +305,8 @@ def resolve_scheduler_limits(args: EngineArgs, context_len: int) -> tuple[int, i
 
 
 def attention_backend_unavailable(name: str, device: torch.device) -> bool:
+    if name == "cpu":
+        return device.type != "cpu"
     if name != "triton":
         return False
     if device.type == "cuda":

@@ -15,7 +15,8 @@ class RequestStatus(enum.IntEnum):
     PREEMPTED = 2
     FINISHED_STOPPED = 3  # EOS, stop token or stop string
     FINISHED_LENGTH = 4  # max_tokens or max_model_len
-    FINISHED_ABORTED = 5  # client gone, error
+    FINISHED_ABORTED = 5  # client gone
+    FINISHED_ERROR = 6  # the model step that ran it raised (see EngineCore.step)
 
     @property
     def is_finished(self) -> bool:
@@ -26,12 +27,14 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # the engine failed while running it; never a user's fault
 
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 

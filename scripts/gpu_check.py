@@ -1,7 +1,8 @@
-"""GPU checks for the Triton attention backend: prepared on CPU, meant for a CUDA machine.
+"""GPU checks for the Triton backend and CUDA graphs: prepared on CPU, meant for a CUDA machine.
 
-    python scripts/gpu_check.py                    # all four checks
-    python scripts/gpu_check.py --only sweep,paged # a subset: tests, sweep, paged, engine, bench
+    python scripts/gpu_check.py                    # every check
+    python scripts/gpu_check.py --only sweep,paged # a subset: tests, sweep, paged, engine, bench,
+                                                   # throughput
 
 1. tests  - tests/attention/test_triton_backend.py compiled for real (no interpreter); needs pytest.
 2. sweep  - realistic shapes (Hq 32 / Hkv 8 / D 128, contexts to 2k, mixed batches, bf16/fp16/
@@ -9,22 +10,31 @@
 3. paged  - a tiny random Llama from transformers whose attention is routed through the backend
             over a NaN-filled paged cache, driven as flat mixed batches (chunked prefill + decode);
             greedy tokens must equal transformers' own (sdpa, full recompute).
-4. engine - pagellm.LLM(attention_backend="triton") greedy vs transformers on the same weights;
+4. engine - pagellm.LLM(attention_backend="triton") greedy vs transformers on the same weights,
+            with decode CUDA graphs (padded and exact buckets) and with --enforce-eager;
             reported as SKIPPED with the reason if the engine cannot be built here.
 5. bench  - decode attention bandwidth (K/V bytes read / kernel time) vs the HBM peak, key
             segments auto vs off, next to torch SDPA on dense K/V.
-Needs torch, triton, transformers. Exit status 1 when any check fails.
+6. throughput - the engine with decode CUDA graphs vs --enforce-eager, on dummy weights of a
+            ~1B Llama config (Llama-3.2-1B shapes) and on the default model (bf16), each run in
+            its own process: decode step time and tokens/s at batch 1/16/64, the decode memory
+            bandwidth achieved (weights + K/V read per step / step time) as a fraction of a
+            measured device copy bandwidth, capture time and graph memory vs the reservation.
+Needs torch, triton, transformers. Exit status 1 when any check fails. Budget: about 8 minutes
+on one H100/H200 (throughput: 4 engine processes, each capped at THROUGHPUT_TIMEOUT_S).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -34,12 +44,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pagellm.attention.backend import AttentionMetadata  # noqa: E402
-from pagellm.attention.triton_backend import (  # noqa: E402
-    TritonAttentionBackend,
-    _num_sms,
-    choose_num_segments,
-)
-from pagellm.attention.triton_kernels import paged_attention  # noqa: E402
+
+try:  # `--help` and the CPU syntax check work without triton
+    from pagellm.attention.triton_backend import (
+        TritonAttentionBackend,
+        _num_sms,
+        choose_num_segments,
+    )
+    from pagellm.attention.triton_kernels import paged_attention
+except ImportError as e:
+    TRITON_MISSING: str | None = repr(e)
+else:
+    TRITON_MISSING = None
 
 DEV = "cuda"
 PEAK_GBPS = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "A10": 600, "4090": 1008}
@@ -200,34 +216,53 @@ def check_paged(dtype=torch.float32, n_new: int = 12, budget: int = 48, bs: int 
     assert got == want, "greedy tokens differ from transformers"
 
 
+def save_word_tokenizer(path: str, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
+
+
 def check_engine(n_new: int = 12) -> None:
     try:
-        from tokenizers import Tokenizer, models
-        from transformers import PreTrainedTokenizerFast
-
         from pagellm import LLM, SamplingParams
     except Exception as e:  # the engine is being written concurrently
         print(f"  SKIPPED engine: pagellm.LLM not importable ({e!r})")
         return
     cfg, model = tiny_llama()
-    prompts = [[(5 * i + 11 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((90, 7, 40))]
-    want = [hf_greedy(model, p, n_new) for p in prompts]
+    lens = (90, 7, 40, 3, 25, 61)
+    prompts = [[(5 * i + 11 * j) % 500 + 1 for j in range(n)] for i, n in enumerate(lens)]
+    # Different lengths: decode steps of 6, 5, .., 1 sequences (padded and exact buckets).
+    news = [n_new - 2 * i for i in range(len(prompts))]
+    want = [hf_greedy(model, p, n) for p, n in zip(prompts, news, strict=True)]
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
-        tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(tmp)
-        try:
-            llm = LLM(model=tmp, device=DEV, dtype="float32", attention_backend="triton",
-                      max_num_batched_tokens=32, max_num_seqs=4, gpu_memory_utilization=0.3)
-        except Exception as e:
-            print(f"  SKIPPED engine: could not build pagellm.LLM ({e!r})")
-            return
-        params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    got = [o.outputs[0].token_ids for o in outs]
-    print(f"  engine {got}\n  hf     {want}")
-    assert got == want, "engine greedy tokens differ from transformers"
+        save_word_tokenizer(tmp, cfg.vocab_size)
+        for eager in (False, True):
+            try:
+                llm = LLM(model=tmp, device=DEV, dtype="float32", attention_backend="triton",
+                          max_num_batched_tokens=32, max_num_seqs=8, gpu_memory_utilization=0.3,
+                          enforce_eager=eager)
+            except Exception as e:
+                print(f"  SKIPPED engine: could not build pagellm.LLM ({e!r})")
+                return
+            params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                      for n in news]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+            got = [o.outputs[0].token_ids for o in outs]
+            graphs = llm.llm_engine.engine_core.executor.runner.graph_runner
+            mode = "eager " if eager else "graphs"
+            used = "" if graphs is None else f" (graph steps per bucket {dict(graphs.num_steps)})"
+            print(f"  engine {mode} {got}{used}\n  hf            {want}")
+            assert got == want, f"engine ({mode}) greedy tokens differ from transformers"
+            assert (graphs is None) == eager, "CUDA graphs on/off does not follow enforce_eager"
+            if graphs is not None:
+                assert len(graphs.num_steps) >= 3, "decode steps did not run on the graphs"
+            llm.llm_engine.shutdown()
+            del llm
 
 
 def _bench_decode(batch: int, ctx: int, peak: float | None) -> str:
@@ -267,8 +302,137 @@ def check_bench() -> None:
             print(_bench_decode(batch, ctx, peak), flush=True)
 
 
+# Llama-3.2-1B shapes (1.24 B parameters, tied embeddings), random weights.
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+THROUGHPUT_BATCHES = (1, 16, 64)
+THROUGHPUT_LENS = (128, 64)  # prompt tokens, generated tokens
+THROUGHPUT_TIMEOUT_S = 120
+
+
+def measure_copy_bandwidth(mib: int = 2048, repeats: int = 5) -> float:
+    """Device copy bandwidth in bytes/s (read + write) of a ``mib`` MiB tensor, best of n."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+    best = math.inf
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() / best
+
+
+def throughput_worker(spec: dict) -> dict:
+    """One engine (one model, graphs or eager) in this process: decode figures per batch size."""
+    import numpy as np
+
+    from pagellm.benchmarks.latency import decode_weight_bytes, run_batch
+    from pagellm.config import EngineArgs
+    from pagellm.engine.llm_engine import LLMEngine
+    from pagellm.worker.kv_cache import config_kv_bytes_per_token
+
+    # The spec's optional keys let the CPU test run this on a tiny model.
+    prompt_len, out_len = spec.get("lens", THROUGHPUT_LENS)
+    batches = spec.get("batches", THROUGHPUT_BATCHES)
+    args = EngineArgs(model=spec["model"], load_format=spec["load_format"],
+                      dtype=spec.get("dtype", "bfloat16"), device=DEV,
+                      max_model_len=spec.get("max_model_len", 1024), max_num_seqs=max(batches),
+                      max_num_batched_tokens=4096, gpu_memory_utilization=0.5,
+                      kv_cache_memory=spec.get("kv_cache_memory"),
+                      attention_backend=spec.get("attention_backend", "auto"),
+                      enforce_eager=spec["eager"])
+    start = time.perf_counter()
+    engine = LLMEngine.from_engine_args(args)
+    startup_s = time.perf_counter() - start
+    runner = engine.engine_core.executor.runner
+    graphs = runner.graph_runner
+    weights = decode_weight_bytes(runner.model)[1]
+    kv_per_token = config_kv_bytes_per_token(engine.config)
+    vocab = engine.config.model.vocab_size
+    rng = random.Random(0)
+    rows = []
+    for batch in batches:
+        steps, tokens, seconds = [], 0, 0.0
+        for it in range(3):  # the first batch warms up
+            prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+            t = run_batch(engine, prompts, out_len, f"b{batch}-{it}")
+            if it:
+                steps += t.decode_step_s
+                tokens += t.num_output_tokens
+                seconds += t.latency_s
+        step_s = float(np.median(steps))
+        kv_read = batch * (prompt_len + out_len / 2) * kv_per_token  # mean context of a step
+        rows.append(dict(batch=batch, step_ms=step_s * 1e3, decode_tok_s=batch / step_s,
+                         e2e_tok_s=tokens / seconds, bytes_per_step=weights + kv_read))
+    engine.shutdown()
+    return dict(rows=rows, startup_s=startup_s,
+                copy_bw=measure_copy_bandwidth(spec.get("copy_mib", 2048)),
+                capture_s=graphs.capture_seconds if graphs else 0.0,
+                graph_mib=graphs.graph_memory_bytes / 2**20 if graphs else 0.0,
+                reserved_mib=graphs.reserved_bytes / 2**20 if graphs else 0.0,
+                graph_steps=dict(graphs.num_steps) if graphs else {})
+
+
+def _run_throughput(name: str, spec: dict) -> dict:
+    cmd = [sys.executable, __file__, "--throughput-worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              timeout=THROUGHPUT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{name}: over {THROUGHPUT_TIMEOUT_S} s") from None
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("THROUGHPUT_JSON ")]
+    for ln in proc.stderr.splitlines():  # the engine's start-up log: phases, memory, capture
+        if any(k in ln for k in ("Start-up phases", "CUDA graphs", "GPU memory")):
+            print(f"    [{name}] {ln.split('] ')[-1]}")
+    if proc.returncode != 0 or not lines:
+        print(proc.stdout[-2000:] + proc.stderr[-4000:])
+        raise AssertionError(f"{name}: worker failed (rc {proc.returncode})")
+    return json.loads(lines[-1].removeprefix("THROUGHPUT_JSON "))
+
+
+def check_throughput() -> None:
+    from transformers import LlamaConfig
+
+    from pagellm.models.loader import default_model_path
+
+    tmp = tempfile.mkdtemp(prefix="pagellm-1b-")  # config + tokenizer only: a few MB
+    LlamaConfig(**LLAMA_1B).save_pretrained(tmp)
+    save_word_tokenizer(tmp, LLAMA_1B["vocab_size"])
+    models = [("llama-1b-dummy", dict(model=tmp, load_format="dummy"))]
+    try:
+        models.append(("default-model", dict(model=default_model_path(), load_format="auto")))
+    except Exception as e:
+        print(f"  SKIPPED default model: not installed here ({e!r})")
+    prompt_len, out_len = THROUGHPUT_LENS
+    print(f"  bf16, prompts of {prompt_len} tokens, {out_len} generated; step = median decode "
+          "step; BW = (weights + mean K/V) bytes per step / step time")
+    for name, spec in models:
+        res = {mode: _run_throughput(f"{name} {mode}", dict(spec, eager=mode == "eager"))
+               for mode in ("graphs", "eager")}
+        g, e = res["graphs"], res["eager"]
+        copy_bw = g["copy_bw"]
+        print(f"  {name}: copy bandwidth {copy_bw / 1e9:.0f} GB/s; start-up graphs "
+              f"{g['startup_s']:.1f} s (capture {g['capture_s']:.1f} s, {g['graph_mib']:.0f} MiB "
+              f"measured vs {g['reserved_mib']:.0f} MiB reserved), eager {e['startup_s']:.1f} s")
+        for rg, re_ in zip(g["rows"], e["rows"], strict=True):
+            line = f"    batch {rg['batch']:3d}"
+            for mode, r in (("graphs", rg), ("eager", re_)):
+                bw = r["bytes_per_step"] / (r["step_ms"] / 1e3)
+                line += (f" | {mode} {r['step_ms']:7.2f} ms/step {r['decode_tok_s']:8.0f} tok/s "
+                         f"(e2e {r['e2e_tok_s']:7.0f}) BW {bw / 1e9:5.0f} GB/s "
+                         f"{100 * bw / copy_bw:4.1f}% of copy")
+            print(line + f" | speed-up {re_['step_ms'] / rg['step_ms']:.2f}x", flush=True)
+        assert g["graph_steps"], f"{name}: no decode step ran on a CUDA graph"
+
+
 CHECKS = {"tests": check_tests, "sweep": check_sweep, "paged": check_paged,
-          "engine": check_engine, "bench": check_bench}
+          "engine": check_engine, "bench": check_bench, "throughput": check_throughput}
 
 
 def main() -> int:
@@ -276,20 +440,37 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(CHECKS), help="comma list of " + ",".join(CHECKS))
     ap.add_argument("--device", default="cuda",
                     help="cpu: a smoke run of the script itself under TRITON_INTERPRET=1")
+    ap.add_argument("--throughput-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     global DEV
     DEV = args.device
+    if args.throughput_worker:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s] %(message)s")
+        result = throughput_worker(json.loads(args.throughput_worker))
+        print("THROUGHPUT_JSON " + json.dumps(result))
+        return 0
+    names = args.only.split(",")
+    for name in names:
+        if name not in CHECKS:
+            ap.error(f"--only: unknown check {name!r}; choose from {', '.join(CHECKS)}")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if TRITON_MISSING is not None:
+        print(f"gpu_check needs triton: {TRITON_MISSING}; every check skipped.")
+        return 2
     if DEV == "cuda" and (not torch.cuda.is_available() or interpreted):
-        print("gpu_check needs a CUDA device and TRITON_INTERPRET unset.")
+        print("gpu_check needs a CUDA device and TRITON_INTERPRET unset; every check skipped "
+              "(--device cpu with TRITON_INTERPRET=1 smoke-runs the kernel checks).")
         return 2
     if DEV == "cpu" and not interpreted:
         print("--device cpu needs TRITON_INTERPRET=1 (set before python starts).")
         return 2
     failed = []
-    for name in args.only.split(","):
-        if name not in CHECKS:
-            raise ValueError(f"--only: unknown check {name!r}; choose from {', '.join(CHECKS)}")
+    for name in names:
+        if DEV == "cpu" and name in ("bench", "throughput"):
+            print(f"== {name}: SKIPPED (CUDA only: it times kernels and CUDA graphs)")
+            continue
         print(f"== {name}", flush=True)
         try:
             CHECKS[name]()

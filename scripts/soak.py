@@ -199,23 +199,46 @@ async def run_soak(base_url: str, num_requests: int, concurrency: int = 16,
     return report
 
 
-def rss_kib(pid: int) -> int:
-    """RSS of a process and its children (the engine core), in KiB."""
-    total = 0
+def rss_kib(pid: int) -> tuple[int, int]:
+    """RSS of a process and of its children (the engine core), in KiB."""
     pids = [pid]
     try:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         pids += [int(c) for c in children]
     except OSError:
         pass
+    sizes = []
     for p in pids:
+        size = 0
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
+                    size = int(line.split()[1])
         except OSError:
             pass
-    return total
+        sizes.append(size)
+    return sizes[0], sum(sizes[1:])
+
+
+def rss_figures(samples: list[tuple[int, int]], idle: list[tuple[int, int]]) -> dict:
+    """MiB of the server and engine processes: first sample, peak, and at idle after each
+    round (flat memory: the last idle figure close to the first)."""
+    out = {}
+    for i, name in enumerate(("server", "engine")):
+        xs = [s[i] for s in samples]
+        out[f"rss_mib_{name}_first_peak"] = [round(x / 1024) for x in xs[:1] + [max(xs or [0])]]
+        out[f"rss_mib_{name}_idle_per_round"] = [round(s[i] / 1024) for s in idle]
+    return out
+
+
+def write_tiny_model(path: Path) -> Path:
+    """The tests' tiny random Llama (2 layers, hidden 64, ~400-token BPE), written once."""
+    if not (path / "config.json").exists():
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from conftest import write_tiny_model as write
+
+        write(path, "llama")
+    return path
 
 
 def main() -> None:
@@ -223,6 +246,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=None, help="soak this server instead of starting one")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--tiny-model", default=None, metavar="DIR",
+                        help="serve the tests' tiny random Llama, written to DIR if not there")
     parser.add_argument("--server-args", default="--dtype float32 --enable-prefix-caching "
                         "--num-gpu-blocks-override 64 --scheduling-policy priority")
     parser.add_argument("--requests", type=int, default=5000)
@@ -236,10 +261,12 @@ def main() -> None:
 
     server = None
     if ns.url is None:
-        args = ([ns.model] if ns.model else []) + shlex.split(ns.server_args)
+        model = str(write_tiny_model(Path(ns.tiny_model))) if ns.tiny_model else ns.model
+        args = ([model] if model else []) + shlex.split(ns.server_args)
         server = ServerProcess(args, Path("soak_server.log"))
     base = ns.url or server.base_url
-    samples: list[int] = []
+    samples: list[tuple[int, int]] = []  # (server, engine) RSS in KiB, every second
+    idle_rss: list[tuple[int, int]] = []  # after each round, at idle
     stop = threading.Event()
 
     def sample() -> None:
@@ -265,9 +292,13 @@ def main() -> None:
             idle = wait_until(lambda: metric(scrape(base), "pagellm:num_requests_running")
                               + metric(scrape(base), "pagellm:num_requests_waiting") == 0, 60)
             m = scrape(base)
+            if server is not None:
+                idle_rss.append(rss_kib(server.proc.pid))
             print(f"round {r}: {rep.summary()} idle={idle} "
                   f"kv_usage={metric(m, 'pagellm:kv_cache_usage_perc')} "
-                  f"rss_mib={samples[-1] / 1024 if samples else 'n/a'}", flush=True)
+                  f"idle_rss_mib(server, engine)="
+                  f"{[round(x / 1024) for x in idle_rss[-1]] if idle_rss else 'n/a'}",
+                  flush=True)
             if metric(m, "pagellm:kv_cache_usage_perc") != 0:
                 total.failures.append(f"round {r}: KV blocks still in use at idle")
         total.failures += [f"greedy outputs differ across rounds for {k}: {t}"
@@ -278,9 +309,9 @@ def main() -> None:
             "health": health, "preemptions": metric(m, "pagellm:num_preemptions_total"),
             "finish_reasons": dict(Counter({k: v for k, v in m.items()
                                             if k.startswith("pagellm:request_success_total")})),
-            "rss_mib_first_peak_last": [round(x / 1024) for x in
-                                        (samples[:1] + [max(samples or [0])] + samples[-1:])]},
-            indent=1))
+            "prefix_cache_hits": metric(m, "pagellm:prefix_cache_hits_total"),
+            "prefix_cache_queries": metric(m, "pagellm:prefix_cache_queries_total"),
+            **rss_figures(samples, idle_rss)}, indent=1))
         for f in total.failures[:20]:
             print("FAIL", f)
         sys.exit(1 if total.failures or health != 200 else 0)

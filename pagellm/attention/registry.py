@@ -1,4 +1,5 @@
-"""Attention backend lookup by name: "torch" (reference, CPU), "triton" (CUDA), "auto".
+"""Attention backend lookup by name: "cpu" (C++ kernels), "torch" (reference), "triton" (CUDA),
+"auto" (triton on CUDA, cpu on CPU).
 
 The triton backend is imported only when asked for, so ``import pagellm`` works without triton.
 """
@@ -9,7 +10,7 @@ import torch
 
 from pagellm.attention.backend import AttentionBackend
 
-BACKEND_NAMES = ("auto", "torch", "triton")
+BACKEND_NAMES = ("auto", "cpu", "torch", "triton")
 
 _default_backend = "auto"
 
@@ -48,6 +49,11 @@ def get_attn_backend_cls(name: str | None, device: torch.device | str) -> type[A
         from pagellm.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        # Falls back to the torch path by itself where the kernels cannot run.
+        from pagellm.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend
     if name == "triton":
         try:
             return _import_triton()

@@ -49,6 +49,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     ``forward`` first stores every new K/V of the batch (one kernel), then runs the unified
     paged-attention kernel, which reads K/V through the block tables without gathering them.
+
+    Capture-safe (decode CUDA graphs, worker/cuda_graphs.py): ``forward`` reads only the Python
+    ints of ``meta`` (fixed per graph bucket, so the segment count is too) and never tensor data
+    on the host; keep it that way.
     """
 
     name = "triton"

@@ -285,6 +285,17 @@ class Scheduler:
             request.status = status
             self._free_request(request)
 
+    def fail_step(self, sched_output: SchedulerOutput) -> list[str]:
+        """The model step of ``sched_output`` raised: finish every request it scheduled with
+        FINISHED_ERROR (blocks freed now) and send the step's finished/preempted ids to the
+        runner again (it may have failed before dropping them; dropping twice is a no-op).
+        Returns the failed request ids."""
+        failed = [r for r in sched_output.num_scheduled_tokens
+                  if r in self.requests and not self.requests[r].is_finished]
+        self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        self.finished_req_ids |= sched_output.finished_req_ids | sched_output.preempted_req_ids
+        return failed
+
     def _free_request(self, request: Request) -> None:
         """Free a finished request's blocks and forget it (the caller unlinks it from the
         running/waiting queue)."""

@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from pagellm.config import EngineArgs, EngineConfig
 from pagellm.engine.core_proc import EngineCoreClient, EngineCoreOutputs, EngineDeadError
+from pagellm.engine.errors import RequestFailedError
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputKind, OutputProcessor
 from pagellm.metrics.logger import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
@@ -27,17 +28,19 @@ from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.metrics.request_stats import IterationMetrics, RequestStatsTracker
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.outputs import RequestOutput
-from pagellm.request import RequestStatus
+from pagellm.request import FinishReason, RequestStatus
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagellm")
 
-__all__ = ["AsyncLLM", "EngineDeadError", "OutputKind", "RequestStream"]
+__all__ = ["AsyncLLM", "EngineDeadError", "OutputKind", "RequestFailedError", "RequestStream"]
 
 
 class RequestStream:
     """The outputs of one request, as an async iterator. ``close()`` (or being dropped before the
-    last output) aborts the request in the engine."""
+    last output) aborts the request in the engine. Raises EngineDeadError if the engine dies, and
+    RequestFailedError (instead of yielding its last output) if the step that ran the request
+    raised (the engine goes on)."""
 
     def __init__(self, engine: AsyncLLM, request_id: str, prompt: str | None,
                  prompt_token_ids: list[int], queue: asyncio.Queue) -> None:
@@ -60,6 +63,10 @@ class RequestStream:
             raise item
         if item.finished:
             self.finished = True
+            if any(c.finish_reason == FinishReason.ERROR for c in item.outputs):
+                raise RequestFailedError(
+                    f"Request {self.request_id} failed: the engine raised while running it "
+                    "(the cause is in the server log).", [self.request_id])
         return item
 
     def close(self) -> None:
@@ -76,7 +83,8 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, *, log_stats: bool = True,
-                 log_requests: bool = False, stat_log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
+                 log_requests: bool = False, max_log_len: int | None = None,
+                 stat_log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
                  core_factory: Any = None, tokenizer: Any = None,
                  eos_token_id: int | None = None) -> None:
         if tokenizer is None:
@@ -87,6 +95,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.log_requests = log_requests
+        self.max_log_len = max_log_len
         self.input_processor = InputProcessor(config, tokenizer, eos_token_id)
         self.output_processor = OutputProcessor(tokenizer)
         self.request_stats = RequestStatsTracker()
@@ -205,8 +214,10 @@ class AsyncLLM:
             self.request_stats.abort([c.request_id for c in children])
             raise
         if self.log_requests:
-            logger.info("Received request %s: %d prompt tokens, params: %s", request_id,
-                        len(ids), params)
+            # NOTE: the only place prompt text is logged, and only with --enable-log-requests.
+            logger.info("Received request %s: prompt: %s, %d prompt tokens, params: %s",
+                        request_id, _clip(processed.prompt, ids, self.max_log_len), len(ids),
+                        params)
         return RequestStream(self, request_id, processed.prompt, ids, queue)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
@@ -277,10 +288,18 @@ class AsyncLLM:
             self._set_dead(f"The output handler failed: {e!r}")
 
     def _process(self, batch: EngineCoreOutputs) -> None:
+        failed = [o.req_id for o in batch.outputs if o.finish_reason == FinishReason.ERROR]
+        if failed:
+            # Failed samples count as aborted in the metrics (their finish-reason labels are
+            # stop/length/abort); popped here, update() below skips them.
+            self._record(None, self.request_stats.abort(failed))
         processed = self.output_processor.process_outputs(batch.outputs)
         if processed.reqs_to_stop:
             # A stop string ended these samples: the engine must stop them too.
             self.core.abort_requests(processed.reqs_to_stop, RequestStatus.FINISHED_STOPPED)
+        if processed.reqs_to_abort:  # siblings of a failed sample
+            self.core.abort_requests(processed.reqs_to_abort)
+            self._record(None, self.request_stats.abort(processed.reqs_to_abort))
         it = self.request_stats.update(batch.outputs, batch.first_scheduled_times,
                                        processed.reqs_to_stop)
         self._record(batch.scheduler_stats, it)
@@ -297,3 +316,11 @@ class AsyncLLM:
         while True:
             await asyncio.sleep(self.stat_log_interval_s)
             self.stat_logger.log()
+
+
+def _clip(prompt: str | None, ids: list[int], max_len: int | None) -> str:
+    """The prompt for the request log (its token ids when it came as ids), clipped to
+    ``max_len`` characters or ids."""
+    if prompt is not None:
+        return repr(prompt if max_len is None else prompt[:max_len])
+    return f"token ids {ids if max_len is None else ids[:max_len]}"

@@ -13,10 +13,17 @@ from dataclasses import dataclass, field
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagellm.core.scheduler import Scheduler
+from pagellm.engine.errors import EngineStepsFailedError
 from pagellm.metrics.stats import SchedulerStats
-from pagellm.request import Request, RequestStatus
+from pagellm.request import FinishReason, Request, RequestStatus
+from pagellm.worker.multiproc_executor import WorkerFailedError
 
 logger = logging.getLogger("pagellm")
+
+# A model step that raises fails the requests it ran and the engine goes on; this many failed
+# steps in a row (no step succeeding between them) mean the fault is not in the requests but in
+# the engine (a broken device, a bug on every path), and the engine stops.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 @dataclass(slots=True)
@@ -41,7 +48,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self.num_blocks = num_blocks
         self.stats = IterationStats()
-        self._num_prompt_left: dict[str, int] = {}
+        self.num_consecutive_step_failures = 0
+        self.num_failed_steps = 0
         logger.info("Engine ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: Request) -> None:
@@ -61,10 +69,38 @@ class EngineCore:
         start = time.perf_counter()
         sched_output = self.scheduler.schedule()
         num_prefill = self._num_prefill_tokens(sched_output)  # before finished requests go
-        runner_output = self.executor.execute_model(sched_output)
+        try:
+            runner_output = self.executor.execute_model(sched_output)
+        except WorkerFailedError:
+            raise  # a tensor-parallel rank is gone: the executor cannot run another step
+        except Exception as e:
+            return self._fail_step(sched_output, e)
+        self.num_consecutive_step_failures = 0
         outputs = self.scheduler.update_from_output(sched_output, runner_output)
         self._count(num_prefill, outputs)
         self.stats.step_time_s += time.perf_counter() - start
+        return outputs
+
+    def _fail_step(self, sched_output: SchedulerOutput, error: Exception
+                   ) -> list[EngineCoreOutput]:
+        """Finish the step's requests with finish_reason "error" (blocks freed, the scheduler
+        consistent), or raise EngineStepsFailedError after too many failed steps in a row."""
+        self.num_consecutive_step_failures += 1
+        self.num_failed_steps += 1
+        failed = self.scheduler.fail_step(sched_output)
+        # NOTE: ids only: the step's prompts are user data and stay out of the log.
+        logger.error("Model step failed (%d in a row, at most %d): %s: %s; failing its %d "
+                     "request(s): %s", self.num_consecutive_step_failures,
+                     MAX_CONSECUTIVE_STEP_FAILURES, type(error).__name__, error, len(failed),
+                     ", ".join(failed), exc_info=error)
+        if self.num_consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineStepsFailedError(
+                f"{self.num_consecutive_step_failures} model steps in a row raised (the last: "
+                f"{type(error).__name__}: {error}); the engine stops.") from error
+        reason = FinishReason.ERROR.value
+        outputs = [EngineCoreOutput(req_id=r, new_token_ids=[], finish_reason=reason)
+                   for r in failed]
+        self._count(0, outputs)
         return outputs
 
     def _num_prefill_tokens(self, so: SchedulerOutput) -> int:

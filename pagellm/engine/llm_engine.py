@@ -70,6 +70,7 @@ class LLMEngine:
         core_outputs = self.engine_core.step()
         processed = self.output_processor.process_outputs(core_outputs)
         self.engine_core.abort_requests(processed.reqs_to_stop, RequestStatus.FINISHED_STOPPED)
+        self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
 
     def reset_prefix_cache(self) -> bool:

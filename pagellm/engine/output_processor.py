@@ -13,6 +13,7 @@ from typing import Any
 from pagellm.core.sched_output import EngineCoreOutput, Logprobs
 from pagellm.engine.detokenizer import IncrementalDetokenizer, decode_token
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.request import FinishReason
 from pagellm.sampling_params import SamplingParams
 
 
@@ -60,6 +61,9 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     # Samples a stop string finished: the engine core must stop them (finish as "stop").
     reqs_to_stop: list[str]
+    # Samples whose sibling failed (finish_reason "error"): the request as a whole failed, so
+    # the engine core must abort them.
+    reqs_to_abort: list[str] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -103,6 +107,7 @@ class OutputProcessor:
         now = time.monotonic()
         request_outputs: list[RequestOutput] = []
         reqs_to_stop: list[str] = []
+        reqs_to_abort: list[str] = []
         for out in outputs:
             parent = self._parent_of.get(out.req_id)
             if parent is None:
@@ -133,6 +138,8 @@ class OutputProcessor:
             if sample.finish_reason is not None:
                 state.num_unfinished -= 1
                 self._parent_of.pop(out.req_id, None)
+                if sample.finish_reason == FinishReason.ERROR:
+                    reqs_to_abort += self._fail_siblings(state)
             ro = self._make_output(state, sample)
             if state.finished:
                 del self.requests[parent]
@@ -140,7 +147,18 @@ class OutputProcessor:
                 if state.queue is not None:
                     state.queue.put_nowait(ro)
                 request_outputs.append(ro)
-        return ProcessedOutputs(request_outputs, reqs_to_stop)
+        return ProcessedOutputs(request_outputs, reqs_to_stop, reqs_to_abort)
+
+    def _fail_siblings(self, state: RequestState) -> list[str]:
+        """One sample failed: the request fails whole; its unfinished samples end now."""
+        ids = []
+        for cid, s in state.samples.items():
+            if s.finish_reason is None:
+                s.finish_reason = FinishReason.ERROR.value
+                state.num_unfinished -= 1
+                self._parent_of.pop(cid, None)
+                ids.append(cid)
+        return ids
 
     def _add_logprobs(self, sample: _Sample, records: list[Logprobs]) -> None:
         if sample.logprobs is None:

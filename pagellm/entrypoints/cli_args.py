@@ -52,7 +52,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                    help="weight-only quantization of the linear layers at load time: none, int8 "
                         "(per channel), int4 (group 32) or int4-g32/g64/g128/g256")
     g.add_argument("--attention-backend", default=d.attention_backend,
-                   choices=["auto", "torch", "triton"])
+                   choices=["auto", "cpu", "torch", "triton"],
+                   help="auto: triton on CUDA, cpu (C++ kernels, built on first use) on CPU; "
+                        "torch: the plain PyTorch reference")
     _bool_flag(g, "--enforce-eager", "disable CUDA graphs")
     _bool_flag(g, "--disable-log-stats", "do not log the periodic stats line")
     g.add_argument("--scheduling-policy", default=d.scheduling_policy,

@@ -8,9 +8,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagellm.config import EngineArgs
+from pagellm.engine.errors import RequestFailedError
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.outputs import RequestOutput
+from pagellm.request import FinishReason
 from pagellm.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -53,7 +55,9 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. Raises
+        RequestFailedError (with every output in ``.outputs``) if the engine failed while
+        running some of them; the others still ran to completion."""
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
         prompts = list(prompts)
@@ -123,7 +127,16 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [results[r] for r in ids]
+        outputs = [results[r] for r in ids]
+        failed = [i for i, out in enumerate(outputs)
+                  if any(c.finish_reason == FinishReason.ERROR for c in out.outputs)]
+        if failed:
+            raise RequestFailedError(
+                f"{len(failed)} of {len(outputs)} prompts failed: the engine raised while running "
+                f"them (the cause is in the log). Failed prompt indices: {failed[:20]}"
+                f"{' ...' if len(failed) > 20 else ''}; e.outputs holds every output.",
+                [ids[i] for i in failed], outputs)
+        return outputs
 
 
 def _progress(total: int) -> Any:

@@ -74,8 +74,25 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not an embedding; use compute_logits")
 
+    @torch.no_grad()
+    def prepack_for_cpu_(self) -> bool:
+        """Keep a copy of a CPU bfloat16 weight in oneDNN's blocked layout for the logits
+        matmul (the weight itself stays: a tied embedding still looks rows up in it). Costs one
+        more copy of the LM head; the logits are bit-identical."""
+        w = self.weight
+        if (w.device.type != "cpu" or w.dtype != torch.bfloat16
+                or not torch.backends.mkldnn.is_available()):
+            return False
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.data)
+        return True
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight, self.bias)
+        packed = getattr(self, "packed_weight", None)
+        if packed is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden, packed, self.bias, "none", [],
+                                                        "")
+        else:
+            logits = F.linear(hidden, self.weight, self.bias)
         if self.tp_size > 1:
             logits = all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings].float()

@@ -62,8 +62,26 @@ class LinearBase(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is None:
+            if self.weight.is_mkldnn:
+                return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
             return F.linear(x, self.weight, bias)
         return self.quant_method.apply(self, x, bias)
+
+    @torch.no_grad()
+    def prepack_for_cpu_(self) -> bool:
+        """Reorder a CPU bfloat16 weight once into oneDNN's blocked layout, so each matmul skips
+        the per-call reorder (1.1-1.6x faster bf16 matmuls at the batch sizes decode and prefill
+        use; results are bit-identical to ``F.linear``, which runs the same oneDNN kernel).
+        float32 is left alone: MKL's sgemm is as fast as oneDNN there. After this the weight is
+        an opaque mkldnn tensor (same numel and dtype) and can no longer be loaded or quantized.
+        """
+        w = self.weight
+        if (self.quant_method is not None or w.is_mkldnn or w.device.type != "cpu"
+                or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()):
+            return False
+        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.data),
+                                   requires_grad=False)
+        return True
 
     @torch.no_grad()
     def quantize_(self, config: QuantConfig, backend: str = "auto") -> int | None:
@@ -212,3 +230,15 @@ class RowParallelLinear(LinearBase):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def prepack_linears_for_cpu(model: nn.Module) -> int:
+    """``prepack_for_cpu_`` on every linear layer and LM head of ``model``; returns how many
+    were packed. ``PAGELLM_CPU_KERNELS=0`` turns it off, with the other CPU speed-ups."""
+    from pagellm.kernels.cpu_build import kernels_enabled
+    from pagellm.layers.embedding import ParallelLMHead
+
+    if not kernels_enabled():
+        return 0
+    return sum(m.prepack_for_cpu_() for m in model.modules()
+               if isinstance(m, LinearBase | ParallelLMHead))

@@ -1,9 +1,14 @@
-"""RMSNorm with an optional fused residual add, computed like transformers (fp32 variance)."""
+"""RMSNorm with an optional fused residual add, computed like transformers (fp32 variance).
+
+On CPU one C++ kernel does the add and the norm in a single pass (same roundings as the torch
+path, which stays for other devices and dtypes)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagellm.kernels import cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -29,6 +34,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+        if cpu_ops.supports(x, self.weight, *(() if residual is None else (residual,))):
+            out, summed = cpu_ops.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, summed)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.kernels import cpu_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -95,7 +97,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, Hq*D]`` and ``k [T, Hk*D]`` by their tokens' ``positions [T]``."""
+        """Rotate ``q [T, Hq*D]`` and ``k [T, Hk*D]`` by their tokens' ``positions [T]``.
+
+        On CPU the rotation happens in place (q and k are the model's fresh QKV projection) and
+        the same tensors come back."""
+        if q.dim() == 2 and cpu_ops.supports(q, k):
+            cpu_ops.rotary_(q, k, positions, self.cos_cache, self.sin_cache, self.head_dim)
+            return q, k
         cos = self.cos_cache.index_select(0, positions).to(q.dtype).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).to(q.dtype).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

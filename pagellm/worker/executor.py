@@ -21,14 +21,20 @@ class UniProcExecutor:
     """One model runner in this process (tensor_parallel_size == 1)."""
 
     def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
+        from pagellm.engine.fault_injection import FaultInjector
         from pagellm.worker.model_runner import ModelRunner
 
         self.runner = ModelRunner(config, eos_token_id)
+        self.fault_injector = FaultInjector.from_env()  # a test hook; None unless asked for
+        if self.fault_injector is not None:
+            self.fault_injector.install(self.runner.model)
 
     def initialize_kv_cache(self) -> int:
         return self.runner.initialize_kv_cache()
 
     def execute_model(self, sched_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.fault_injector is not None:
+            self.fault_injector.check_step(sched_output)
         return self.runner.execute_model(sched_output)
 
     def shutdown(self) -> None:

@@ -30,10 +30,12 @@ def config_kv_bytes_per_token(config: EngineConfig) -> int:
 
 
 def plan_for_device(config: EngineConfig, weight_bytes: int,
-                    profile_peak_activation: Callable[[], int]) -> KVCachePlan:
+                    profile_peak_activation: Callable[[], int],
+                    cuda_graph_bytes: Callable[[int], int] | None = None) -> KVCachePlan:
     """CPU: the explicit --kv-cache-memory, or a safe share of free RAM. CUDA: the part of
     gpu_memory_utilization x total memory left after weights, peak activations (measured by a
-    profiling forward) and memory outside torch."""
+    profiling forward), memory outside torch and the decode CUDA graphs (``cuda_graph_bytes``:
+    peak activation bytes -> an estimate, as the graphs are captured after the KV cache)."""
     device = config.device.device
     per_token = config_kv_bytes_per_token(config)
     cache = config.cache
@@ -41,12 +43,14 @@ def plan_for_device(config: EngineConfig, weight_bytes: int,
         activation = profile_peak_activation()
         free, total = torch.cuda.mem_get_info(device)
         non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
+        graphs = cuda_graph_bytes(activation) if cuda_graph_bytes is not None else 0
         budget = cuda_memory_budget(total, cache.gpu_memory_utilization, weight_bytes,
-                                    activation, non_torch)
+                                    activation, non_torch, graphs)
         logger.info("GPU memory: total %.2f GiB x %.2f; weights %.2f GiB, peak activations "
-                    "%.2f GiB, non-torch %.2f GiB -> KV %.2f GiB", total / GiB,
-                    cache.gpu_memory_utilization, weight_bytes / GiB, activation / GiB,
-                    non_torch / GiB, budget.kv_budget_bytes / GiB)
+                    "%.2f GiB, non-torch %.2f GiB, CUDA graphs %.2f GiB (estimate) -> KV "
+                    "%.2f GiB", total / GiB, cache.gpu_memory_utilization, weight_bytes / GiB,
+                    activation / GiB, non_torch / GiB, graphs / GiB,
+                    budget.kv_budget_bytes / GiB)
         flag = "--gpu-memory-utilization"
     else:
         budget = cpu_memory_budget(cache.kv_cache_memory, weight_bytes)
@@ -64,15 +68,17 @@ def plan_for_device(config: EngineConfig, weight_bytes: int,
 def allocate_kv_caches(config: EngineConfig, num_blocks: int, device: torch.device,
                        dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, (k_cache, v_cache) views of one zeroed
-    ``[layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]`` tensor.
+    ``[layers, 2, num_blocks + 2, block_size, kv_heads, head_dim]`` tensor.
 
     Block ``num_blocks`` is the null block: never handed out, always zero; block tables are
     padded with it, so padded positions read zeros (see ModelRunner._zero_new_blocks).
+    Block ``num_blocks + 1`` is the scratch block: the padding rows of a CUDA-graph decode step
+    write their K/V there and no block table names it (see worker/cuda_graphs.py).
     """
     from pagellm.worker.memory_plan import kv_heads_per_rank
 
     m = config.model
     heads = kv_heads_per_rank(m.num_kv_heads, config.parallel.tensor_parallel_size)
-    shape = (m.num_layers, 2, num_blocks + 1, config.cache.block_size, heads, m.head_dim)
+    shape = (m.num_layers, 2, num_blocks + 2, config.cache.block_size, heads, m.head_dim)
     kv = torch.zeros(shape, dtype=dtype, device=device)
     return [(kv[i, 0], kv[i, 1]) for i in range(m.num_layers)]

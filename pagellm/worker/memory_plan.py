@@ -1,9 +1,10 @@
 """KV cache sizing: the one piece of arithmetic shared by the engine's start-up and `pagellm plan`.
 
 KV bytes per token = 2 (K and V) x layers x kv_heads (on this rank) x head_dim x dtype bytes.
-KV budget on CUDA = gpu_memory_utilization x total - weights - peak activations - non-torch memory;
-on CPU it is the explicit --kv-cache-memory or a safe share of the free RAM. The engine fills a
-MemoryBudget with measured numbers, `pagellm plan` with estimates; both then call plan_kv_cache.
+KV budget on CUDA = gpu_memory_utilization x total - weights - peak activations - non-torch memory
+- CUDA graphs (estimated before capture, see worker/cuda_graphs.py); on CPU it is the explicit
+--kv-cache-memory or a safe share of the free RAM. The engine fills a MemoryBudget with measured
+numbers, `pagellm plan` with estimates; both then call plan_kv_cache.
 """
 
 from __future__ import annotations
@@ -118,17 +119,19 @@ class MemoryBudget:
     activation_bytes: int | None
     non_torch_bytes: int | None
     kv_budget_bytes: int
+    cuda_graph_bytes: int = 0  # reserved for decode CUDA graphs (estimated before capture)
 
     def as_dict(self) -> dict[str, float | int | str | None]:
         return asdict(self)
 
 
 def cuda_memory_budget(total_bytes: int, gpu_memory_utilization: float, weight_bytes: int,
-                       activation_bytes: int, non_torch_bytes: int) -> MemoryBudget:
+                       activation_bytes: int, non_torch_bytes: int,
+                       cuda_graph_bytes: int = 0) -> MemoryBudget:
     usable = int(total_bytes * gpu_memory_utilization)
-    kv = max(0, usable - weight_bytes - activation_bytes - non_torch_bytes)
+    kv = max(0, usable - weight_bytes - activation_bytes - non_torch_bytes - cuda_graph_bytes)
     return MemoryBudget("cuda", total_bytes, gpu_memory_utilization, weight_bytes,
-                        activation_bytes, non_torch_bytes, kv)
+                        activation_bytes, non_torch_bytes, kv, cuda_graph_bytes)
 
 
 def cpu_memory_budget(kv_cache_memory: int | None, weight_bytes: int,

@@ -15,8 +15,15 @@ from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.communication import all_reduce_min, broadcast_from_rank0
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagellm.forward_context import set_forward_context
+from pagellm.layers.linear import prepack_linears_for_cpu
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler, SamplerOutput, logprobs_record
+from pagellm.worker.cuda_graphs import (
+    GraphMemoryReserve,
+    GraphRunner,
+    build_graph_runner,
+    planned_capture_sizes,
+)
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
 from pagellm.worker.kv_cache import allocate_kv_caches, plan_for_device
 
@@ -45,6 +52,7 @@ class ModelRunner:
                                  self.device, config.model.load_format,
                                  config.model.quantization)
         self.model.eval()
+        prepack_linears_for_cpu(self.model)
         self.load_seconds = time.perf_counter() - start
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.checkpoint_bytes_read = checkpoint_bytes_read() - read_before
@@ -60,12 +68,18 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.graph_runner: GraphRunner | None = None  # decode CUDA graphs (initialize_kv_cache)
 
     # ---- KV cache -------------------------------------------------------------------------
     def initialize_kv_cache(self) -> int:
         """Plan the KV budget for this device, refuse configurations that cannot serve one request
         of max_model_len, allocate the per-layer caches and return the number of blocks."""
-        plan = plan_for_device(self.config, self.weight_bytes, self._profile_peak_activation)
+        graph_sizes = planned_capture_sizes(self.config, self.tp_size)
+        reserve = GraphMemoryReserve(graph_sizes, self.config.scheduler.max_num_batched_tokens)
+        start = time.perf_counter()
+        plan = plan_for_device(self.config, self.weight_bytes, self._profile_peak_activation,
+                               reserve if graph_sizes else None)
+        profile_seconds = time.perf_counter() - start
         if self.tp_size > 1:
             # Ranks may measure different free memory; the scheduler has one block pool.
             agreed = all_reduce_min(plan.num_blocks, self.device)
@@ -73,10 +87,19 @@ class ModelRunner:
                 logger.info("tp rank %d: %d KV blocks -> %d (the smallest rank's)",
                             self.tp_rank, plan.num_blocks, agreed)
                 plan = dataclasses.replace(plan, num_blocks=agreed)
+        start = time.perf_counter()
         self.kv_caches = allocate_kv_caches(self.config, plan.num_blocks, self.device, self.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        kv_seconds = time.perf_counter() - start
         self.input_batch.set_null_block(plan.num_blocks)
         self.num_blocks = plan.num_blocks
         self.kv_plan = plan
+        # Captured after the KV cache exists: the graphs hold its addresses.
+        self.graph_runner = build_graph_runner(self, graph_sizes, reserve.reserved_bytes)
+        logger.info("Start-up phases: load %.2f s, memory profile %.2f s, KV allocation %.2f s, "
+                    "CUDA graph capture %.2f s", self.load_seconds, profile_seconds, kv_seconds,
+                    self.graph_runner.capture_seconds if self.graph_runner else 0.0)
         return plan.num_blocks
 
     @torch.inference_mode()
@@ -196,8 +219,11 @@ class ModelRunner:
         order = [n.req_id for n in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
         states = [batch.requests[r] for r in order]
         input_ids, positions, meta, logits_indices, sample_rows = self._prepare_inputs(so, states)
-        with set_forward_context(meta, self.kv_caches):
-            hidden = self.model(input_ids, positions)
+        if self.graph_runner is not None and self.graph_runner.can_run(meta):
+            hidden = self.graph_runner.run(input_ids, positions, meta)  # padded to a bucket
+        else:
+            with set_forward_context(meta, self.kv_caches):
+                hidden = self.model(input_ids, positions)
         sampled: list[list[int]] = [[] for _ in states]
         logprobs: list = [None] * len(states)
         if len(logits_indices):

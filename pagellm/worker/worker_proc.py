@@ -53,15 +53,23 @@ class Worker:
     """The RPC surface of one rank: its ModelRunner plus what the engine may ask about it."""
 
     def __init__(self, args: WorkerArgs) -> None:
+        from pagellm.engine.fault_injection import FaultInjector
         from pagellm.worker.model_runner import ModelRunner
 
         self.rank = args.rank
         self.runner = ModelRunner(args.config, args.eos_token_id)
+        self.fault_injector = FaultInjector.from_env()  # a test hook; None unless asked for
+        if self.fault_injector is not None:
+            self.fault_injector.install(self.runner.model)
 
     def initialize_kv_cache(self) -> int:
         return self.runner.initialize_kv_cache()
 
     def execute_model(self, sched_output: Any) -> Any:
+        # NOTE: a rank that raises exits (see _loop): its peers may be inside a collective, so
+        # the executor cannot go on, and the engine shuts down (WorkerFailedError).
+        if self.fault_injector is not None:
+            self.fault_injector.check_step(sched_output)
         return self.runner.execute_model(sched_output)
 
     def rank_info(self) -> dict[str, Any]:

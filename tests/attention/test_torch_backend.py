@@ -1,4 +1,4 @@
-"""TorchAttentionBackend vs a dense float64 causal attention written independently here.
+"""The torch and cpu attention backends vs a dense float64 causal attention written here.
 
 Block tables use shuffled, non-contiguous block ids; every cache slot nobody wrote holds NaN, so
 reading a slot outside a sequence (padding, partial last block, padded block-table entries)
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.cpu_backend import CpuAttentionBackend
 from pagellm.attention.registry import get_attn_backend_cls, set_default_backend
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.forward_context import set_forward_context
@@ -100,8 +101,11 @@ class Case:
         return torch.cat(outs)
 
 
-def _run(case: Case) -> torch.Tensor:
-    backend = TorchAttentionBackend(case.num_heads, case.head_dim, case.num_kv_heads,
+BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
+
+
+def _run(case: Case, backend_name: str = "torch") -> torch.Tensor:
+    backend = BACKENDS[backend_name](case.num_heads, case.head_dim, case.num_kv_heads,
                                     1 / math.sqrt(case.head_dim))
     query, key, value = case.inputs()
     out = backend.forward(query, key, value, case.k_cache, case.v_cache, case.meta)
@@ -109,12 +113,14 @@ def _run(case: Case) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2)])
-def test_mixed_batch_matches_dense_reference(dtype, block_size, num_heads, num_kv_heads):
+def test_mixed_batch_matches_dense_reference(backend, dtype, block_size, num_heads,
+                                             num_kv_heads):
     case = Case(MIXED, block_size, num_heads, num_kv_heads, 32, dtype)
-    out = _run(case)
+    out = _run(case, backend)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), case.reference(), **TOL[dtype])
     # The new K/V landed exactly in their slots.
@@ -125,21 +131,23 @@ def test_mixed_batch_matches_dense_reference(dtype, block_size, num_heads, num_k
                                atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
-def test_decode_only_batch(dtype, num_heads, num_kv_heads):
-    seqs = [(0, 1), (15, 1), (16, 1), (47, 1), (5, 1)]  # lengths on both sides of block edges
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3)])
+def test_decode_only_batch(backend, dtype, num_heads, num_kv_heads):
+    seqs = [(0, 1), (15, 1), (16, 1), (47, 1), (5, 1), (300, 1)]  # both sides of block edges
     case = Case(seqs, 16, num_heads, num_kv_heads, 64, dtype, seed=3)
     assert case.meta.is_decode_only
-    out = _run(case)
+    out = _run(case, backend)
     torch.testing.assert_close(out.double(), case.reference(), **TOL[dtype])
 
 
-def test_decode_rows_found_without_decode_only_flag():
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_decode_rows_found_without_decode_only_flag(backend):
     """is_decode_only is an optimisation hint: False with only decodes must still work."""
     case = Case([(9, 1), (40, 1)], 16, 4, 2, 32, torch.float32, seed=5)
     case.meta.is_decode_only = False
-    torch.testing.assert_close(_run(case).double(), case.reference(), **TOL[torch.float32])
+    torch.testing.assert_close(_run(case, backend).double(), case.reference(), **TOL[torch.float32])
 
 
 def test_attention_layer_without_metadata_is_plain_causal():
@@ -171,7 +179,8 @@ def test_attention_layer_uses_its_layer_cache():
 
 def test_registry():
     assert get_attn_backend_cls("torch", torch.device("cpu")) is TorchAttentionBackend
-    assert get_attn_backend_cls("auto", torch.device("cpu")) is TorchAttentionBackend
+    assert get_attn_backend_cls("auto", torch.device("cpu")) is CpuAttentionBackend
+    assert get_attn_backend_cls("cpu", torch.device("cpu")) is CpuAttentionBackend
     with pytest.raises(ValueError, match="attention backend"):
         get_attn_backend_cls("flash", torch.device("cpu"))
     with pytest.raises(ValueError, match="attention backend"):

@@ -21,8 +21,10 @@ from pagellm.benchmarks.serve import (
     arrival_intervals,
     bench_serve,
     load_dataset,
+    parse_rates,
     summarize,
 )
+from pagellm.benchmarks.serve_stats import judge_sustained
 
 FIRST_TOKEN_S = 0.05
 TOKEN_GAP_S = 0.02
@@ -163,3 +165,109 @@ def test_summary_statistics():
     # TPOT = (e2e - ttft) / 10 = (100 + i - (i + 1)) ms / 10 = 9.9 ms for every request.
     assert s["tpot_ms"]["p99"] == pytest.approx(9.9)
     assert s["itl_ms"]["mean"] == pytest.approx(10.0)
+
+
+def test_random_range_ratio_spans_the_range():
+    """256 +- 128 prompts and 128 +- 64 outputs, as `--random-range-ratio 0.5` promises."""
+    reqs = load_dataset("random", 400, 256, 128, 1000, 0.5, seed=3)
+    ins = [len(r.prompt) for r in reqs]
+    outs = [r.max_tokens for r in reqs]
+    assert 128 <= min(ins) < 140 and 372 < max(ins) <= 384
+    assert 64 <= min(outs) < 70 and 186 < max(outs) <= 192
+    assert all(r.num_prompt_tokens == len(r.prompt) for r in reqs)
+
+
+def test_flag_errors():
+    with pytest.raises(ValueError, match="--random-range-ratio"):
+        bench_serve(parse(["--random-range-ratio", "1.0"]))
+    with pytest.raises(ValueError, match="--plot-only"):
+        bench_serve(parse(["--plot-only", "--plot", "x.png"]))
+    with pytest.raises(SystemExit):
+        parse(["--request-rate", "2,0"])
+    assert parse_rates("2, 4,inf") == [2.0, 4.0, float("inf")]
+
+
+def _steady(n: int, gap: float, ttft, e2e, fail: int = -1) -> tuple[list[RequestResult], float]:
+    """Synthetic results: one arrival every ``gap`` s; duration = last answer."""
+    results = [RequestResult(success=i != fail, ttft=ttft(i), e2e=e2e(i), arrival=i * gap,
+                             num_output_tokens=10) for i in range(n)]
+    return results, max(r.arrival + r.e2e for r in results)
+
+
+def test_sustained_verdicts():
+    # Keeps up: constant latency, answers as spread as arrivals.
+    results, duration = _steady(30, 0.1, lambda i: 0.05, lambda i: 0.5)
+    tput = summarize(results, duration)["request_throughput"]
+    v = judge_sustained(results, 10.0, tput)
+    assert v["sustained"] is True
+    assert v["offered_rate_with_tail"] == pytest.approx(30 / (2.9 + 0.5))
+    assert v["throughput_ratio"] == pytest.approx(1.0)
+    assert v["offered_rate_realized"] == pytest.approx(10.0)
+    # A backlog: each request waits 0.2 s longer than the one before.
+    results, duration = _steady(30, 0.1, lambda i: 0.05 + 0.2 * i, lambda i: 0.5 + 0.2 * i)
+    v = judge_sustained(results, 10.0, summarize(results, duration)["request_throughput"])
+    assert v["sustained"] is False and v["throughput_ratio"] < 0.9
+    assert v["ttft_median_last_third_ms"] > 2 * v["ttft_median_first_third_ms"]
+    # TTFT growth alone (throughput fine) is enough to fail; small absolute growth is not.
+    results, duration = _steady(30, 0.1, lambda i: 0.05 + 0.02 * i, lambda i: 0.5)
+    assert judge_sustained(results, 10.0, tput)["sustained"] is False
+    results, duration = _steady(30, 0.1, lambda i: 0.01 + 0.001 * i, lambda i: 0.5)
+    assert judge_sustained(results, 10.0, tput)["sustained"] is True
+    # One failure fails the rate; inf and tiny runs are not judged.
+    results, duration = _steady(30, 0.1, lambda i: 0.05, lambda i: 0.5, fail=7)
+    assert judge_sustained(results, 10.0, tput)["sustained"] is False
+    assert judge_sustained(results, float("inf"), tput) == {"sustained": None}
+    assert judge_sustained(results[:2], 10.0, tput) == {"sustained": None}
+
+
+def _lines(ax) -> dict[str, list[float]]:
+    return {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+
+
+def test_sweep_json_and_plot(fake_server, tmp_path, capsys):
+    from pagellm.benchmarks.serve_plot import build_figure  # matplotlib: in the test extra
+
+    base_url, state = fake_server
+    sweep_path, png = tmp_path / "a.json", tmp_path / "a.png"
+    n_before = len(state["bodies"])
+    sweep = bench_serve(parse([
+        "--base-url", base_url, "--num-prompts", "4", "--random-input-len", "8",
+        "--random-output-len", "4", "--random-range-ratio", "0.5", "--request-rate", "40,80",
+        "--request-rate", "160", "--num-warmups", "1", "--ignore-eos", "--label", "fake-A",
+        "--output-json", str(sweep_path), "--plot", str(png)]))
+    # 3 rates x 4 prompts + one warm-up request per rate.
+    assert len(state["bodies"]) - n_before == 3 * 5
+    saved = json.loads(sweep_path.read_text())
+    assert saved["label"] == "fake-A" and saved["model"] == "fake-model"
+    assert [r["request_rate"] for r in saved["runs"]] == [40.0, 80.0, 160.0]
+    assert all(r["completed"] == 4 and r["failed"] == 0 for r in saved["runs"])
+    assert all(isinstance(r["sustained"], bool) for r in saved["runs"])
+    sustained = [r["request_rate"] for r in saved["runs"] if r["sustained"]]
+    assert saved["max_sustained_rate"] == (max(sustained) if sustained else None)
+    assert saved["config"]["random_range_ratio"] == 0.5 and saved["sustained_definition"]
+    # Each rate's prompts differ (no prefix-cache reuse across rates) but are seeded.
+    prompts = [json.dumps(b["prompt"]) for b in state["bodies"][n_before:]]
+    assert len(set(prompts)) > 4
+    assert sweep["runs"][1]["ttft_ms"] == saved["runs"][1]["ttft_ms"]
+    assert "Highest sustained rate:" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # A second server's sweep on the same figure: its lines carry its label and its figures.
+    other = dict(saved, label="fake-B", runs=[dict(r, ttft_ms=dict(r["ttft_ms"], median=7.0))
+                                              for r in saved["runs"]])
+    other_path = tmp_path / "b.json"
+    other_path.write_text(json.dumps(other))
+    both = tmp_path / "both.png"
+    assert bench_serve(parse(["--plot-only", "--plot", str(both), "--plot-compare",
+                              str(sweep_path), str(other_path)])) == {}
+    assert both.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = build_figure([saved, other])
+    ttft, tpot, e2e, tput = fig.axes[:4]
+    lines = _lines(ttft)
+    assert lines["fake-A p50"] == [r["ttft_ms"]["median"] for r in saved["runs"]]
+    assert lines["fake-A p99"] == [r["ttft_ms"]["p99"] for r in saved["runs"]]
+    assert lines["fake-B p50"] == [7.0, 7.0, 7.0]
+    assert _lines(tpot)["fake-B p99"] == [r["tpot_ms"]["p99"] for r in saved["runs"]]
+    assert _lines(e2e)["fake-A p50"] == [r["e2e_latency_ms"]["median"] for r in saved["runs"]]
+    assert _lines(tput)["fake-A achieved"] == [r["request_throughput"] for r in saved["runs"]]
+    assert list(ttft.get_lines()[0].get_xdata()) == [40.0, 80.0, 160.0]

@@ -34,7 +34,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="Jinja chat template file (or inline template) overriding the "
                         "tokenizer's")
     g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
-                   default=False, help="log every request's id, size and sampling params")
+                   default=False,
+                   help="log every request's id, prompt, size and sampling params (without it, "
+                        "no prompt text is logged)")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="with --enable-log-requests: log at most this many prompt characters "
+                        "(or token ids) (default: all)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     lim = parser.add_argument_group("request limits (see docs/reliability.md)")
@@ -112,7 +117,7 @@ def run_serve(ns: argparse.Namespace) -> None:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
         engine = AsyncLLM(config, log_stats=not ns.disable_log_stats,
-                          log_requests=ns.enable_log_requests)
+                          log_requests=ns.enable_log_requests, max_log_len=ns.max_log_len)
         app = build_app(engine, names, chat_template, api_key, server_limits)
         if ns.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             logger.warning("Serving on %s without --api-key: anyone who can reach this port "

@@ -21,6 +21,7 @@ from pagellm.entrypoints.openai.protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     DeltaMessage,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
     random_id,
@@ -123,7 +124,9 @@ class OpenAIServingChat(OpenAIServing):
                                       stop_reason=c.stop_reason))
         num_prompt = len(out.prompt_token_ids)
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                          total_tokens=num_prompt + num_completion)
+                          total_tokens=num_prompt + num_completion,
+                          prompt_tokens_details=PromptTokensDetails(
+                              cached_tokens=out.num_cached_tokens))
         body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
 
@@ -156,13 +159,14 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str,
                       stream: RequestStream) -> AsyncIterator[str]:
         created = int(time.time())
-        num_completion = 0
+        num_completion = num_cached = 0
         try:
             # The first delta of every choice carries the role.
             for i in range(req.n):
                 yield self._chunk(request_id, created, model, [ChatStreamChoice(
                     index=i, delta=DeltaMessage(role="assistant", content=""))])
             async for _, out in merge_streams([stream]):
+                num_cached = out.num_cached_tokens
                 for c in out.outputs:
                     num_completion += len(c.token_ids)
                     if not (c.text or c.finish_reason or (req.logprobs and c.token_ids)):
@@ -176,7 +180,9 @@ class OpenAIServingChat(OpenAIServing):
             if req.stream_options is not None and req.stream_options.include_usage:
                 num_prompt = len(stream.prompt_token_ids)
                 usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                                  total_tokens=num_prompt + num_completion)
+                                  total_tokens=num_prompt + num_completion,
+                                  prompt_tokens_details=PromptTokensDetails(
+                                      cached_tokens=num_cached))
                 yield self._chunk(request_id, created, model, [], usage)
         except Exception as e:
             yield sse_error(e)

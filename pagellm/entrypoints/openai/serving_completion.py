@@ -14,6 +14,7 @@ from pagellm.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     UsageInfo,
     random_id,
 )
@@ -70,16 +71,18 @@ class OpenAIServingCompletion(OpenAIServing):
             return StreamingResponse(self._stream(req, request_id, model, streams),
                                      media_type="text/event-stream")
         outs = await final_outputs(streams)
-        choices, num_prompt, num_completion = [], 0, 0
+        choices, num_prompt, num_completion, num_cached = [], 0, 0, 0
         for pi, out in enumerate(outs):
             num_prompt += len(out.prompt_token_ids)
+            num_cached += out.num_cached_tokens
             prompt_text = self._prompt_text(streams[pi]) if req.echo else ""
             for c in out.outputs:
                 num_completion += len(c.token_ids)
                 choices.append(self._choice(req, pi * req.n + c.index, c, streams[pi],
                                             prompt_text, 0))
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                          total_tokens=num_prompt + num_completion)
+                          total_tokens=num_prompt + num_completion,
+                          prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
         body = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
 
@@ -128,8 +131,10 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt = sum(len(s.prompt_token_ids) for s in streams)
         num_completion = 0
         offsets: dict[int, int] = {}  # choice index -> text offset so far
+        cached: dict[int, int] = {}  # prompt index -> its prefix-cache hit
         try:
             async for pi, out in merge_streams(streams):
+                cached[pi] = out.num_cached_tokens
                 for c in out.outputs:
                     index = pi * req.n + c.index
                     first = index not in offsets
@@ -144,8 +149,10 @@ class OpenAIServingCompletion(OpenAIServing):
                                                choices=[choice])
                     yield sse(chunk)
             if req.stream_options is not None and req.stream_options.include_usage:
+                details = PromptTokensDetails(cached_tokens=sum(cached.values()))
                 usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                                  total_tokens=num_prompt + num_completion)
+                                  total_tokens=num_prompt + num_completion,
+                                  prompt_tokens_details=details)
                 yield sse(CompletionResponse(id=request_id, created=created, model=model,
                                              choices=[], usage=usage))
         except Exception as e:  # headers are sent: report in the stream, as OpenAI does

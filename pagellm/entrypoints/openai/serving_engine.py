@@ -5,24 +5,34 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
-from pagellm.engine.async_llm import AsyncLLM, OutputKind, RequestStream
+from pagellm.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    OutputKind,
+    RequestFailedError,
+    RequestStream,
+)
 from pagellm.engine.input_processor import PromptType
 from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.protocol import SamplingFields
 from pagellm.entrypoints.openai.serving_errors import (
     OpenAIError,
     bad_request,
+    describe_error,
     error_body,
     model_not_found,
 )
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagellm")
 
 
 @dataclass
@@ -203,9 +213,11 @@ def sse(data: BaseModel | dict[str, Any] | str) -> str:
 
 
 def sse_error(exc: BaseException) -> str:
-    status = getattr(exc, "status", 500)
-    message = getattr(exc, "message", None) or str(exc)
-    return sse(error_body(status, message))
+    """The error event of a stream whose headers are sent (then comes ``[DONE]``)."""
+    if not isinstance(exc, OpenAIError | RequestFailedError | EngineDeadError):
+        logger.error("Unhandled error in a stream", exc_info=exc)
+    status, message, code = describe_error(exc)
+    return sse(error_body(status, message, code=code))
 
 
 SSE_DONE = "data: [DONE]\n\n"

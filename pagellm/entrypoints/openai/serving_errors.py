@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.engine.core_proc import EngineDeadError
+from pagellm.engine.errors import RequestFailedError
 
 logger = logging.getLogger("pagellm")
 
@@ -41,6 +42,18 @@ def error_response(status: int, message: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status,
                         headers=headers)
+
+
+def describe_error(exc: BaseException) -> tuple[int, str, str | None]:
+    """(status, message, code) of an exception, for a response body or a stream's error event.
+    Unexpected exceptions show only their type: the details are in the server log."""
+    if isinstance(exc, OpenAIError):
+        return exc.status, exc.message, exc.code
+    if isinstance(exc, RequestFailedError):
+        return 500, str(exc), "internal_server_error"
+    if isinstance(exc, EngineDeadError):
+        return 500, f"The engine is not running: {exc}", "engine_dead"
+    return 500, f"Internal server error: {type(exc).__name__}: {exc}", None
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -77,8 +90,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, str(exc))
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(500, f"The engine is not running: {exc}", code="engine_dead")
+    @app.exception_handler(RequestFailedError)
+    async def _engine(request: Request, exc: Exception) -> JSONResponse:
+        # Already logged where it happened (the engine), with the cause.
+        status, message, code = describe_error(exc)
+        return error_response(status, message, code=code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

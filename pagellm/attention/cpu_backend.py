@@ -1,0 +1,93 @@
+"""The CPU attention backend: decode tokens read K/V in place through block tables (C++ kernel).
+
+Per step: every new K/V is written to its slot by one kernel call (strided rows straight from
+the QKV projection, no copies); all decode tokens of the batch are attended by one kernel call
+that reads each sequence's blocks where they lie, parallel over (sequence, kv head), float32
+softmax and accumulation. Prefill chunks go to SDPA: a chunk with no cached context attends its
+own new K/V directly, one with context gathers its blocks (the torch backend's path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.torch_backend import TorchAttentionBackend, causal_attention
+from pagellm.kernels import cpu_ops
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What every layer of one step needs, computed once per step (the first layer builds it)."""
+
+    meta: AttentionMetadata
+    decode_seq_ids: torch.Tensor  # int64 [num_decodes]
+    decode_rows: torch.Tensor  # int64 [num_decodes]: each decode's token row in the batch
+    prefill_seqs: list[int]
+    seq_lens: torch.Tensor  # int32, contiguous
+    block_tables: torch.Tensor  # int32, unit stride
+
+
+_last_plan: list[_StepPlan] = []
+
+
+def _plan(meta: AttentionMetadata) -> _StepPlan:
+    if _last_plan and _last_plan[0].meta is meta:
+        return _last_plan[0]
+    starts = meta.query_start_loc_cpu
+    if meta.is_decode_only:
+        decode_seqs, prefill_seqs = list(range(meta.num_seqs)), []
+    else:
+        decode_seqs, prefill_seqs = [], []
+        for i in range(meta.num_seqs):
+            (decode_seqs if starts[i + 1] - starts[i] == 1 else prefill_seqs).append(i)
+    block_tables = meta.block_tables
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        block_tables = block_tables.to(torch.int32).contiguous()
+    plan = _StepPlan(
+        meta=meta,
+        decode_seq_ids=torch.tensor(decode_seqs, dtype=torch.int64),
+        decode_rows=torch.tensor([starts[i] for i in decode_seqs], dtype=torch.int64),
+        prefill_seqs=prefill_seqs,
+        seq_lens=meta.seq_lens.to(torch.int32).contiguous(),
+        block_tables=block_tables,
+    )
+    _last_plan[:] = [plan]
+    return plan
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = meta.num_tokens
+        if not cpu_ops.supports(query, key, value, k_cache, v_cache):
+            return super().forward(query, key, value, k_cache, v_cache, meta)
+        cpu_ops.write_kv(key[:n], value[:n], k_cache, v_cache, meta.slot_mapping[:n])
+        out = torch.empty((query.shape[0], self.num_heads, self.head_dim), dtype=query.dtype)
+        plan = _plan(meta)
+        if plan.decode_seq_ids.numel():
+            cpu_ops.decode_attention(out, query, k_cache, v_cache, plan.block_tables,
+                                     plan.seq_lens, plan.decode_seq_ids, plan.decode_rows,
+                                     self.scale)
+        starts = meta.query_start_loc_cpu
+        for i in plan.prefill_seqs:
+            start, end = starts[i], starts[i + 1]
+            if meta.seq_lens_cpu[i] == end - start:
+                # No cached context: the chunk's own K/V are all it attends to.
+                out[start:end] = causal_attention(query[start:end], key[start:end],
+                                                  value[start:end], self.scale)
+            else:
+                out[start:end] = self._prefill(query[start:end], k_cache, v_cache,
+                                               meta.block_tables[i], meta.seq_lens_cpu[i])
+        return out

@@ -1,0 +1,186 @@
+// Element-wise CPU kernels: RMSNorm (+ residual), rotary embedding, SiLU-and-mul, for float32
+// and bfloat16. They round like the PyTorch ops they replace: every intermediate PyTorch
+// materializes in the activation dtype is rounded to that dtype here too, so outputs match the
+// torch path bit for bit up to float32 summation order.
+
+#include <algorithm>
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace pagellm {
+namespace {
+
+// ---------------------------------------------------------------- RMSNorm
+// out = w * round(h * rsqrt(mean(h^2) + eps)), h = x (+ residual, rounded; written back to
+// residual_out when given), as transformers' LlamaRMSNorm computes it.
+template <typename C>
+void rms_norm(typename C::T* out, typename C::T* residual_out, const typename C::T* x,
+              const typename C::T* residual, const typename C::T* weight, int64_t rows,
+              int64_t hidden, float eps) {
+  using T = typename C::T;
+#pragma omp parallel if (rows > 8)
+  {
+    std::vector<float> h(hidden);
+#pragma omp for
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* xr = x + r * hidden;
+      float ss = 0.f;
+      int64_t i0 = 0;
+#if defined(__AVX512F__)
+      if (residual != nullptr) {
+        const T* rr = residual + r * hidden;
+        T* ro = residual_out + r * hidden;
+        for (; i0 + 16 <= hidden; i0 += 16) {
+          __m512 sum = _mm512_add_ps(load16(xr + i0), load16(rr + i0));
+          if constexpr (sizeof(T) == 2) sum = round_bf16x16(sum);
+          store16(ro + i0, sum);
+          _mm512_storeu_ps(h.data() + i0, sum);
+        }
+      } else {
+        for (; i0 + 16 <= hidden; i0 += 16) _mm512_storeu_ps(h.data() + i0, load16(xr + i0));
+      }
+#endif
+      if (residual != nullptr) {
+        const T* rr = residual + r * hidden;
+        T* ro = residual_out + r * hidden;
+        for (int64_t i = i0; i < hidden; ++i) {
+          const T sum = C::store(C::load(xr[i]) + C::load(rr[i]));
+          ro[i] = sum;
+          h[i] = C::load(sum);
+        }
+      } else {
+        for (int64_t i = i0; i < hidden; ++i) h[i] = C::load(xr[i]);
+      }
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < hidden; ++i) ss += h[i] * h[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+      T* o = out + r * hidden;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 vinv = _mm512_set1_ps(inv);
+      for (; i + 16 <= hidden; i += 16) {
+        __m512 y = _mm512_mul_ps(_mm512_loadu_ps(h.data() + i), vinv);
+        if constexpr (sizeof(T) == 2) y = round_bf16x16(y);
+        store16(o + i, _mm512_mul_ps(load16(weight + i), y));
+      }
+#endif
+      for (; i < hidden; ++i) o[i] = C::store(C::load(weight[i]) * C::round(h[i] * inv));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- rotary (rotate-half)
+// In place on q [T, Hq * D] and k [T, Hk * D] (row strides given), cos/sin float32
+// [max_pos, rot / 2] rounded to the activation dtype first, like the torch path.
+template <typename C>
+void rotary(typename C::T* q, int64_t q_stride, int64_t num_q_heads, typename C::T* k,
+            int64_t k_stride, int64_t num_k_heads, const int64_t* positions, int64_t num_tokens,
+            const float* cos_cache, const float* sin_cache, int64_t max_pos, int64_t head_dim,
+            int64_t rot) {
+  using T = typename C::T;
+  const int64_t half = rot / 2;
+#pragma omp parallel if (num_tokens > 16)
+  {
+    std::vector<float> c(half), s(half);
+#pragma omp for
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const int64_t pos = positions[t];
+      if (pos < 0 || pos >= max_pos) {  // never read outside the table: poison the row instead
+        std::fill(c.begin(), c.end(), NAN);
+        std::fill(s.begin(), s.end(), NAN);
+      } else {
+        for (int64_t i = 0; i < half; ++i) {
+          c[i] = C::round(cos_cache[pos * half + i]);
+          s[i] = C::round(sin_cache[pos * half + i]);
+        }
+      }
+      for (int64_t which = 0; which < 2; ++which) {
+        T* base = which == 0 ? q + t * q_stride : k + t * k_stride;
+        const int64_t heads = which == 0 ? num_q_heads : num_k_heads;
+        for (int64_t h = 0; h < heads; ++h) {
+          T* x = base + h * head_dim;
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = C::load(x[i]), x2 = C::load(x[i + half]);
+            const float a = C::round(x1 * c[i]), b = C::round(x2 * s[i]);
+            const float e = C::round(x2 * c[i]), f = C::round(x1 * s[i]);
+            x[i] = C::store(a - b);
+            x[i + half] = C::store(e + f);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- SiLU and mul
+template <typename C>
+void silu_and_mul(typename C::T* out, const typename C::T* x, int64_t rows, int64_t d) {
+  using T = typename C::T;
+#pragma omp parallel for if (rows * d > 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = x + r * 2 * d;
+    const T* u = g + d;
+    T* o = out + r * d;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= d; i += 16) {
+      const __m512 gv = load16(g + i);
+      __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f),
+                                                 exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      if constexpr (sizeof(T) == 2) s = round_bf16x16(s);
+      store16(o + i, _mm512_mul_ps(s, load16(u + i)));
+    }
+#endif
+    for (; i < d; ++i) {
+      const float gv = C::load(g[i]);
+      o[i] = C::store(C::round(gv / (1.f + std::exp(-gv))) * C::load(u[i]));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pagellm
+
+using namespace pagellm;
+
+extern "C" {
+
+int pagellm_abi_version() { return 3; }
+
+// dtype codes: 0 = float32, 1 = bfloat16
+void pagellm_rms_norm(int dtype, void* out, void* residual_out, const void* x,
+                      const void* residual, const void* weight, int64_t rows, int64_t hidden,
+                      float eps) {
+  if (dtype == 0)
+    rms_norm<F32>(static_cast<float*>(out), static_cast<float*>(residual_out),
+                  static_cast<const float*>(x), static_cast<const float*>(residual),
+                  static_cast<const float*>(weight), rows, hidden, eps);
+  else
+    rms_norm<BF16>(static_cast<uint16_t*>(out), static_cast<uint16_t*>(residual_out),
+                   static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(residual),
+                   static_cast<const uint16_t*>(weight), rows, hidden, eps);
+}
+
+void pagellm_rotary(int dtype, void* q, int64_t q_stride, int64_t num_q_heads, void* k,
+                    int64_t k_stride, int64_t num_k_heads, const int64_t* positions,
+                    int64_t num_tokens, const float* cos_cache, const float* sin_cache,
+                    int64_t max_pos, int64_t head_dim, int64_t rot) {
+  if (dtype == 0)
+    rotary<F32>(static_cast<float*>(q), q_stride, num_q_heads, static_cast<float*>(k), k_stride,
+                num_k_heads, positions, num_tokens, cos_cache, sin_cache, max_pos, head_dim, rot);
+  else
+    rotary<BF16>(static_cast<uint16_t*>(q), q_stride, num_q_heads, static_cast<uint16_t*>(k),
+                 k_stride, num_k_heads, positions, num_tokens, cos_cache, sin_cache, max_pos,
+                 head_dim, rot);
+}
+
+void pagellm_silu_and_mul(int dtype, void* out, const void* x, int64_t rows, int64_t d) {
+  if (dtype == 0)
+    silu_and_mul<F32>(static_cast<float*>(out), static_cast<const float*>(x), rows, d);
+  else
+    silu_and_mul<BF16>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x), rows, d);
+}
+
+}  // extern "C"

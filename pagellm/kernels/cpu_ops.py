@@ -1,0 +1,127 @@
+"""Tensor-level wrappers of the CPU kernels (see ``cpu_ops.cpp``).
+
+Each wrapper checks what the kernel assumes (CPU, float32/bfloat16, unit stride in the last
+dimension) through ``supports``; callers test that first and fall back to PyTorch otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_float, c_int, c_int64, c_void_p
+
+import torch
+
+from pagellm.kernels import cpu_build
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+_SIGNATURES = {
+    "pagellm_decode_attention": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p,
+                                 c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_int64,
+                                 c_int64, c_int64, c_int64, c_int64, c_float],
+    "pagellm_write_kv": [c_int, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_int64,
+                         c_void_p, c_int64, c_int64],
+    "pagellm_rms_norm": [c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64,
+                         c_int64, c_float],
+    "pagellm_rotary": [c_int, c_void_p, c_int64, c_int64, c_void_p, c_int64, c_int64, c_void_p,
+                       c_int64, c_void_p, c_void_p, c_int64, c_int64, c_int64],
+    "pagellm_silu_and_mul": [c_int, c_void_p, c_void_p, c_int64, c_int64],
+}
+
+_lib: ctypes.CDLL | None = None
+_checked = False
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib, _checked
+    if not _checked:
+        lib = cpu_build.load()
+        if lib is not None:
+            for name, argtypes in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes = argtypes
+                fn.restype = None
+        _lib, _checked = lib, True
+    return _lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """True when the kernels can run on these tensors (same dtype, CPU, last dim contiguous)."""
+    dtype = tensors[0].dtype
+    return dtype in _DTYPE_CODES and all(
+        t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1 for t in tensors
+    ) and _library() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(norm(x [+ residual]), x [+ residual] or None)`` for contiguous ``x [rows, hidden]``."""
+    hidden = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    res_out = None
+    if residual is not None:
+        residual = residual.contiguous()
+        res_out = torch.empty_like(x)
+    _library().pagellm_rms_norm(_DTYPE_CODES[x.dtype], out.data_ptr(), _ptr(res_out),
+                                x.data_ptr(), _ptr(residual), weight.contiguous().data_ptr(),
+                                x.numel() // hidden, hidden, eps)
+    return out, res_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    x = x.contiguous()
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    _library().pagellm_silu_and_mul(_DTYPE_CODES[x.dtype], out.data_ptr(), x.data_ptr(),
+                                    x.numel() // (2 * d), d)
+    return out
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+            sin_cache: torch.Tensor, head_dim: int) -> None:
+    """Rotate ``q [T, Hq*D]`` and ``k [T, Hk*D]`` in place (rows may be strided views) by
+    ``positions``; ``cos_cache``/``sin_cache`` are contiguous float32 ``[max_pos, rot / 2]``. A
+    position outside the table gives NaN rows, never a read outside it."""
+    num_tokens = q.shape[0]
+    positions = positions.to(torch.int64).contiguous()
+    _library().pagellm_rotary(_DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0),
+                              q.shape[1] // head_dim, k.data_ptr(), k.stride(0),
+                              k.shape[1] // head_dim, positions.data_ptr(), num_tokens,
+                              cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0],
+                              head_dim, 2 * cos_cache.shape[1])
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store ``key/value [T, Hkv, D]`` (token rows may be strided) at flat ``slots [T]``."""
+    slots = slots.to(torch.int64).contiguous()
+    row = k_cache.shape[-2] * k_cache.shape[-1]
+    assert key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]
+    _library().pagellm_write_kv(_DTYPE_CODES[key.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
+                                key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                slots.data_ptr(), key.shape[0], row)
+
+
+def decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     seq_ids: torch.Tensor, token_rows: torch.Tensor, scale: float) -> None:
+    """Attention of one query token per sequence in ``seq_ids`` (its row ``token_rows``) over
+    its ``seq_lens`` cached tokens, read through ``block_tables``; written into ``out``."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    assert query.stride(1) == head_dim and out.stride(1) == head_dim
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
+    _library().pagellm_decode_attention(
+        _DTYPE_CODES[query.dtype], out.data_ptr(), out.stride(0), query.data_ptr(),
+        query.stride(0), token_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), seq_ids.data_ptr(),
+        seq_ids.shape[0], num_heads, k_cache.shape[-2], head_dim, k_cache.shape[1], scale)

@@ -1,0 +1,222 @@
+"""The C++ CPU kernels against independent references.
+
+Decode attention vs a dense float64 attention over random, scattered block tables (every slot
+no sequence owns holds NaN, so a read outside a sequence poisons the result), over head shapes
+that take each code path (register-blocked G x D, the generic accumulator, non-multiple-of-16
+head dims); element-wise kernels vs the plain PyTorch ops they replace, bit for bit in bfloat16.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm.kernels import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler")
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+def _decode_case(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    keys, values, tables = [], [], []
+    for n in lens:
+        k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        table = [ids.pop() for _ in range(-(-n // block_size))]
+        for pos in range(n):
+            k_cache[table[pos // block_size], pos % block_size] = k[pos]
+            v_cache[table[pos // block_size], pos % block_size] = v[pos]
+        keys.append(k)
+        values.append(v)
+        tables.append(table)
+    width = max(len(t) for t in tables) + 1
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    query = torch.randn(len(lens), num_heads, head_dim, generator=g).to(dtype)
+    return query, keys, values, k_cache, v_cache, block_tables
+
+
+def _dense_decode(query, keys, values, scale):
+    num_heads = query.shape[1]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        group = num_heads // k.shape[1]
+        for h in range(num_heads):
+            s = (k[:, h // group].double() @ query[i, h].double()) * scale
+            out[i, h] = torch.softmax(s, 0) @ v[:, h // group].double()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),    # the default model: G=3, D=64 register-blocked
+    (8, 1, 128, 32),   # G=8, D=128, blocks of 32 (two 16-token chunks per block)
+    (4, 4, 64, 16),    # no GQA
+    (16, 1, 64, 16),   # G=16: generic accumulator
+    (6, 2, 80, 16),    # D=80: multiple of 16 but not register-blocked
+    (4, 2, 40, 8),     # D=40: scalar paths, small blocks
+])
+def test_decode_attention_matches_dense(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    lens = [1, 15, 16, 17, 33, 300, 7]
+    query, keys, values, k_cache, v_cache, tables = _decode_case(
+        lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out = torch.full_like(query, float("nan"))
+    seq_ids = torch.arange(len(lens))
+    cpu_ops.decode_attention(out, query, k_cache, v_cache, tables,
+                             torch.tensor(lens, dtype=torch.int32), seq_ids, seq_ids, scale)
+    torch.testing.assert_close(out.double(), _dense_decode(query, keys, values, scale),
+                               **TOL[dtype])
+
+
+def test_decode_attention_subset_rows_and_strides():
+    """Only the listed sequences are computed, each into its own token row; query and output
+    rows may be strided (the query is a view of a wider projection)."""
+    lens = [40, 5, 77]
+    query, keys, values, k_cache, v_cache, tables = _decode_case(lens, 4, 2, 64, 16,
+                                                                 torch.float32, seed=2)
+    wide = torch.zeros(6, 4 * 64 + 32)
+    q_view = wide[:, :256].view(6, 4, 64)
+    rows = torch.tensor([4, 1], dtype=torch.int64)
+    seq_ids = torch.tensor([2, 0], dtype=torch.int64)
+    q_view[4], q_view[1] = query[2], query[0]
+    out = torch.zeros(6, 4, 64)
+    cpu_ops.decode_attention(out, q_view, k_cache, v_cache, tables,
+                             torch.tensor(lens, dtype=torch.int32), seq_ids, rows, 0.125)
+    ref = _dense_decode(query, keys, values, 0.125)
+    torch.testing.assert_close(out[4].double(), ref[2], **TOL[torch.float32])
+    torch.testing.assert_close(out[1].double(), ref[0], **TOL[torch.float32])
+    assert out[[0, 2, 3, 5]].abs().sum() == 0  # untouched rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_strided_rows(dtype):
+    qkv = torch.randn(5, 3 * 2 * 16).to(dtype)
+    key = qkv[:, 32:64].view(5, 2, 16)
+    value = qkv[:, 64:].view(5, 2, 16)
+    k_cache = torch.zeros(4, 4, 2, 16, dtype=dtype)
+    v_cache = torch.zeros(4, 4, 2, 16, dtype=dtype)
+    slots = torch.tensor([15, 0, 6, 7, 9])
+    cpu_ops.write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(16, 2, 16)[slots], key)
+    assert torch.equal(v_cache.view(16, 2, 16)[slots], value)
+    others = torch.ones(16, dtype=torch.bool)
+    others[slots] = False
+    assert k_cache.view(16, -1)[others].abs().sum() == 0
+
+
+def _torch_rms_norm(x, w, eps, residual=None):
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype), x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_torch(dtype, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(37, 576, generator=g)).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    res = torch.randn(37, 576, generator=g).to(dtype) if with_residual else None
+    out, summed = cpu_ops.rms_norm(x, w, 1e-5, res)
+    ref, ref_sum = _torch_rms_norm(x, w, 1e-5, res)
+    if with_residual:
+        assert torch.equal(summed, ref_sum)
+    # Only the float32 sum of squares may differ in order: at most one rounding step apart.
+    torch.testing.assert_close(out, ref, **(dict(atol=0, rtol=1e-5) if dtype == torch.float32
+                                            else dict(atol=0, rtol=8e-3)))
+    if dtype == torch.bfloat16:
+        assert (out != ref).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_torch(dtype):
+    x = (4 * torch.randn(9, 2 * 1536)).to(dtype)
+    ref = F.silu(x[:, :1536]) * x[:, 1536:]
+    out = cpu_ops.silu_and_mul(x)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5 if dtype == torch.float32 else 8e-3)
+    if dtype == torch.bfloat16:
+        assert (out != ref).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_matches_torch(dtype):
+    from pagellm.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(64, 64, 4096, {"rope_type": "default", "rope_theta": 10000.0})
+    qkv = torch.randn(11, (9 + 2 * 3) * 64).to(dtype)
+    q, k = qkv[:, :576], qkv[:, 576:768]
+    positions = torch.tensor([0, 1, 2, 3, 100, 101, 4000, 7, 8, 9, 4095])
+    cos = rope.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+    sin = rope.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+    ref_q, ref_k = rope._rotate(q.clone(), cos, sin), rope._rotate(k.clone(), cos, sin)
+    v_before = qkv[:, 768:].clone()
+    cpu_ops.rotary_(q, k, positions, rope.cos_cache, rope.sin_cache, 64)
+    torch.testing.assert_close(q, ref_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k, ref_k, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, 768:], v_before)  # V untouched
+
+
+def test_rotary_out_of_range_position_poisons_instead_of_reading_outside():
+    cos = torch.ones(8, 4)
+    q, k = torch.ones(2, 8), torch.ones(2, 8)
+    cpu_ops.rotary_(q, k, torch.tensor([3, 8]), cos, cos.clone(), 8)
+    assert torch.isfinite(q[0]).all() and torch.isnan(q[1]).all()
+
+
+def _run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+
+
+def test_disabled_or_unbuildable_kernels_fall_back(tmp_path):
+    code = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
+            "import torch\nfrom pagellm.kernels import cpu_ops\nfrom pagellm.layers.norm import "
+            "RMSNorm\nprint(cpu_ops.available())\nx = torch.randn(3, 8)\n"
+            "print(RMSNorm(8)(x).shape)\n")
+    off = _run_python(code, {"PAGELLM_CPU_KERNELS": "0"})
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.split("\n")[0] == "False"
+    broken = _run_python(code, {"CXX": "false", "PAGELLM_CACHE_DIR": str(tmp_path)})
+    assert broken.returncode == 0, broken.stderr
+    assert broken.stdout.split("\n")[0] == "False"
+    assert "CPU kernels unavailable" in broken.stderr
+    assert "torch.Size([3, 8])" in broken.stdout
+
+
+def test_prepacked_bf16_linears_are_bit_identical():
+    from pagellm.layers.embedding import ParallelLMHead
+    from pagellm.layers.linear import MergedColumnParallelLinear, prepack_linears_for_cpu
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({
+        "mlp": MergedColumnParallelLinear(64, [96, 96], bias=True, params_dtype=torch.bfloat16),
+        "head": ParallelLMHead(300, 64, params_dtype=torch.bfloat16),
+        "fp32": MergedColumnParallelLinear(64, [32, 32], bias=False),
+    })
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(7, 64).to(torch.bfloat16)
+    before = (model["mlp"](x), model["head"].compute_logits(x),
+              model["fp32"](x.float()))
+    assert prepack_linears_for_cpu(model) == 2  # bf16 only; float32 stays on MKL
+    assert model["mlp"].weight.is_mkldnn and not model["fp32"].weight.is_mkldnn
+    after = (model["mlp"](x), model["head"].compute_logits(x), model["fp32"](x.float()))
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
