@@ -75,8 +75,10 @@ class LinearBase(nn.Module):
         float32 is left alone: MKL's sgemm is as fast as oneDNN there. After this the weight is
         an opaque mkldnn tensor (same numel and dtype) and can no longer be loaded or quantized.
         """
+        if self.quant_method is not None:  # quantized layers have no float weight left
+            return False
         w = self.weight
-        if (self.quant_method is not None or w.is_mkldnn or w.device.type != "cpu"
+        if (w.is_mkldnn or w.device.type != "cpu"
                 or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()):
             return False
         self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.data),
