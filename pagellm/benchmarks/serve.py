@@ -72,6 +72,10 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="send ignore_eos so every request generates max_tokens")
     p.add_argument("--num-warmups", type=int, default=0,
                    help="untimed requests sent one at a time before each rate's run")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0,
+                   help="a rate counts as sustained only if p99 TTFT stays under this")
+    p.add_argument("--slo-tpot-ms", type=float, default=200.0,
+                   help="a rate counts as sustained only if p99 TPOT stays under this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600.0, help="per request, seconds")
     p.add_argument("--label", default=None, help="name of this server in the JSON and plot "
@@ -130,12 +134,14 @@ def bench_serve(ns: argparse.Namespace) -> dict[str, Any]:
         summary = asyncio.run(benchmark(
             ns.base_url, requests, model=ns.model, endpoint=ns.endpoint, request_rate=rate,
             max_concurrency=ns.max_concurrency, api_key=api_key, ignore_eos=ns.ignore_eos,
-            seed=ns.seed + i, timeout_s=ns.timeout, num_warmups=ns.num_warmups))
+            seed=ns.seed + i, timeout_s=ns.timeout, num_warmups=ns.num_warmups,
+            slo_ttft_s=ns.slo_ttft_ms / 1e3, slo_tpot_s=ns.slo_tpot_ms / 1e3))
         print(format_summary(summary), flush=True)
         runs.append(summary)
     config = {k: getattr(ns, k) for k in (
         "dataset", "num_prompts", "random_input_len", "random_output_len", "random_range_ratio",
-        "max_concurrency", "ignore_eos", "seed", "num_warmups", "endpoint")}
+        "max_concurrency", "ignore_eos", "seed", "num_warmups", "endpoint", "slo_ttft_ms",
+        "slo_tpot_ms")}
     sweep = make_sweep(runs, ns.label or runs[0]["model"], config)
     if len(runs) > 1:
         print(format_sweep_table(sweep))

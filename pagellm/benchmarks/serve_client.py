@@ -136,7 +136,8 @@ async def benchmark(base_url: str, requests: list[BenchRequest], *, model: str |
                     endpoint: str = "/v1/completions", request_rate: float = math.inf,
                     max_concurrency: int | None = None, api_key: str | None = None,
                     ignore_eos: bool = False, seed: int = 0, timeout_s: float = 3600.0,
-                    num_warmups: int = 0) -> dict[str, Any]:
+                    num_warmups: int = 0, slo_ttft_s: float = 2.0,
+                    slo_tpot_s: float = 0.2) -> dict[str, Any]:
     """One run at one rate. ``num_warmups`` requests (the first prompts, at most 16 tokens out)
     go first, one at a time and untimed, so one-off costs (compilation, caches) stay out."""
     base_url = base_url.rstrip("/")
@@ -176,7 +177,8 @@ async def benchmark(base_url: str, requests: list[BenchRequest], *, model: str |
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     summary = summarize(results, duration)
-    verdict = judge_sustained(results, request_rate, summary["request_throughput"])
+    verdict = judge_sustained(results, request_rate, summary["request_throughput"],
+                              slo_ttft_s, slo_tpot_s)
     summary.update(model=model, base_url=base_url, endpoint=endpoint,
                    request_rate=request_rate if math.isfinite(request_rate) else "inf",
                    max_concurrency=max_concurrency, num_prompts=len(requests),

@@ -1,7 +1,7 @@
 """Statistics for ``pagellm bench serve``: per-request records, one run's summary, whether a
 request rate was sustained, and the request-rate sweep (its JSON, its table, reading it back).
 
-A rate is **sustained** when all three hold (``SUSTAINED_DEFINITION``, also written into the JSON):
+A rate is **sustained** when all four hold (``SUSTAINED_DEFINITION``, also written into the JSON):
 1. no request failed;
 2. achieved request throughput (completed / whole run, from the first send to the last answer)
    is at least 90% of the offered rate, where the offered rate allows for the run's drain tail:
@@ -10,7 +10,11 @@ A rate is **sustained** when all three hold (``SUSTAINED_DEFINITION``, also writ
    (without the tail term, short runs would never count as sustained);
 3. TTFT is not growing across the run: the median TTFT of the last third of requests (by arrival)
    is at most twice that of the first third, or at most 100 ms above it (a backlog that builds up
-   shows as TTFT rising with arrival order).
+   shows as TTFT rising with arrival order);
+4. latency SLOs hold: p99 TTFT <= ``slo_ttft_s`` (default 2 s) and p99 TPOT <= ``slo_tpot_s``
+   (default 200 ms). A continuously batching server with room for every request admits them
+   all at once, so overload shows as every stream slowing down (TPOT), not as a queue: 2. and 3.
+   alone can pass a server that keeps a fifth of the offered rate.
 Judged only for finite rates with at least 3 requests; runs must last several e2e latencies for
 the verdict to mean much.
 """
@@ -28,10 +32,13 @@ import numpy as np
 SUSTAINED_THROUGHPUT_FRACTION = 0.9
 SUSTAINED_TTFT_GROWTH = 2.0
 SUSTAINED_TTFT_SLACK_S = 0.1
+DEFAULT_SLO_TTFT_S = 2.0
+DEFAULT_SLO_TPOT_S = 0.2
 SUSTAINED_DEFINITION = (
     "no failed request; request_throughput >= 0.9 x offered, offered = num_prompts / (arrival "
     "span + median e2e of the first third); median TTFT of the last third of requests (by "
-    "arrival) <= max(2 x, +100 ms) that of the first third")
+    "arrival) <= max(2 x, +100 ms) that of the first third; p99 TTFT <= slo_ttft and p99 TPOT "
+    "<= slo_tpot (defaults 2000 ms / 200 ms)")
 
 
 @dataclass
@@ -72,8 +79,9 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     }
 
 
-def judge_sustained(results: list[RequestResult], rate: float,
-                    request_throughput: float) -> dict[str, Any]:
+def judge_sustained(results: list[RequestResult], rate: float, request_throughput: float,
+                    slo_ttft_s: float = DEFAULT_SLO_TTFT_S,
+                    slo_tpot_s: float = DEFAULT_SLO_TPOT_S) -> dict[str, Any]:
     """The verdict and the quantities behind it (see the module docstring)."""
     verdict: dict[str, Any] = {"sustained": None}
     n = len(results)
@@ -95,8 +103,15 @@ def judge_sustained(results: list[RequestResult], rate: float,
     ttft_ok = (ttft_last <= SUSTAINED_TTFT_GROWTH * ttft_first
                or ttft_last - ttft_first <= SUSTAINED_TTFT_SLACK_S)
     tput_ok = request_throughput >= SUSTAINED_THROUGHPUT_FRACTION * offered
+    ok = [r for r in results if r.success]
+    ttft_p99 = float(np.percentile([r.ttft for r in ok], 99)) if ok else math.inf
+    tpots = [(r.e2e - r.ttft) / (r.num_output_tokens - 1) for r in ok if r.num_output_tokens > 1]
+    tpot_p99 = float(np.percentile(tpots, 99)) if tpots else 0.0
+    slo_ok = ttft_p99 <= slo_ttft_s and tpot_p99 <= slo_tpot_s
     verdict.update(
-        sustained=bool(failed == 0 and tput_ok and ttft_ok),
+        sustained=bool(failed == 0 and tput_ok and ttft_ok and slo_ok),
+        ttft_p99_ms=ttft_p99 * 1e3, tpot_p99_ms=tpot_p99 * 1e3,
+        slo_ttft_ms=slo_ttft_s * 1e3, slo_tpot_ms=slo_tpot_s * 1e3,
         offered_rate_realized=(n - 1) / span if span > 0 else math.inf,
         offered_rate_with_tail=offered,
         throughput_ratio=request_throughput / offered if offered > 0 else 0.0,

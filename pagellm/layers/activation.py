@@ -1,6 +1,9 @@
-"""Gated activations."""
+"""Gated activations (one C++ kernel on CPU, one Triton kernel on CUDA, else torch ops)."""
 
 from __future__ import annotations
+
+import functools
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -15,5 +18,22 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_ops.supports(x):
             return cpu_ops.silu_and_mul(x)  # one pass, no gate/up temporaries
+        if x.is_cuda and (ops := _triton_ops()) is not None and ops.supports(x):
+            return ops.silu_and_mul(x)
+        return self.forward_native(x)
+
+    @staticmethod
+    def forward_native(x: torch.Tensor) -> torch.Tensor:
+        """The torch path (the reference of both kernels)."""
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+@functools.cache
+def _triton_ops() -> ModuleType | None:
+    """pagellm.layers.triton_ops, imported on first CUDA use; None where triton is missing."""
+    try:
+        from pagellm.layers import triton_ops
+    except ImportError:
+        return None
+    return triton_ops

@@ -1,9 +1,13 @@
 """RMSNorm with an optional fused residual add, computed like transformers (fp32 variance).
 
-On CPU one C++ kernel does the add and the norm in a single pass (same roundings as the torch
-path, which stays for other devices and dtypes)."""
+On CPU one C++ kernel does the add and the norm in a single pass; on CUDA a Triton kernel does
+(triton_ops.py). Both keep the roundings of the torch path, which stays for other devices and
+dtypes and where triton is missing."""
 
 from __future__ import annotations
+
+import functools
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -37,7 +41,27 @@ class RMSNorm(nn.Module):
         if cpu_ops.supports(x, self.weight, *(() if residual is None else (residual,))):
             out, summed = cpu_ops.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, summed)
+        if x.is_cuda and (ops := _triton_ops()) is not None and ops.supports(
+                x, self.weight, *(() if residual is None else (residual,))):
+            out, summed = ops.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, summed)
+        return self.forward_native(x, residual)
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The torch path (the reference of both kernels)."""
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+@functools.cache
+def _triton_ops() -> ModuleType | None:
+    """pagellm.layers.triton_ops, imported on first CUDA use; None where triton is missing."""
+    try:
+        from pagellm.layers import triton_ops
+    except ImportError:
+        return None
+    return triton_ops

@@ -6,7 +6,9 @@ by position; the rotation runs in the activation dtype, as in ``transformers``.
 
 from __future__ import annotations
 
+import functools
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -99,14 +101,33 @@ class RotaryEmbedding(nn.Module):
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, Hq*D]`` and ``k [T, Hk*D]`` by their tokens' ``positions [T]``.
 
-        On CPU the rotation happens in place (q and k are the model's fresh QKV projection) and
-        the same tensors come back."""
+        On CPU and on CUDA (Triton) the rotation happens in place (q and k are the model's fresh
+        QKV projection) and the same tensors come back."""
         if q.dim() == 2 and cpu_ops.supports(q, k):
             cpu_ops.rotary_(q, k, positions, self.cos_cache, self.sin_cache, self.head_dim)
             return q, k
+        if (q.dim() == 2 and q.is_cuda and self.cos_cache.device == q.device
+                and (ops := _triton_ops()) is not None and ops.supports(q, k)):
+            ops.rotary_(q, k, positions, self.cos_cache, self.sin_cache, self.head_dim)
+            return q, k
+        return self.forward_native(positions, q, k)
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor,
+                       k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path (the reference of both kernels): new tensors, q and k untouched."""
         cos = self.cos_cache.index_select(0, positions).to(q.dtype).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).to(q.dtype).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+@functools.cache
+def _triton_ops() -> ModuleType | None:
+    """pagellm.layers.triton_ops, imported on first CUDA use; None where triton is missing."""
+    try:
+        from pagellm.layers import triton_ops
+    except ImportError:
+        return None
+    return triton_ops
 
 
 def get_rope(head_dim: int, max_position: int, config: Any) -> RotaryEmbedding:

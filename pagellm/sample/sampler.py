@@ -26,21 +26,38 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None
     sampled_token_ranks: torch.Tensor | None = None
 
-    def logprobs_records(self, num_logprobs: list[int | None]) -> list[Logprobs | None]:
-        """One record per row (None where the row asked for none), with one device->host copy
-        per tensor for the whole batch."""
+    def to_host(self, num_logprobs: list[int | None]
+                ) -> tuple[list[int], list[Logprobs | None]]:
+        """``(sampled token ids, one Logprobs record per row)`` (None where the row asked for
+        none) with a single device->host copy for the whole step: everything the host needs is
+        packed into one int64 tensor first (float32 logprobs travel as their bit patterns)."""
+        batch = self.sampled_token_ids.shape[0]
+        assert len(num_logprobs) == batch
+        parts = [self.sampled_token_ids.unsqueeze(1)]
+        if self.logprobs is not None:
+            assert self.logprobs_token_ids is not None and self.sampled_token_ranks is not None
+            assert self.logprobs.dtype == torch.float32
+            parts += [self.logprobs_token_ids, self.logprobs.view(torch.int32).long(),
+                      self.sampled_token_ranks.unsqueeze(1)]
+        host = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).cpu()
+        tokens = host[:, 0].tolist()
         if self.logprobs is None:
-            return [None] * len(num_logprobs)
-        assert self.logprobs_token_ids is not None and self.sampled_token_ranks is not None
-        ids, lps = self.logprobs_token_ids.tolist(), self.logprobs.tolist()
-        ranks = self.sampled_token_ranks.tolist()
-        return [None if n is None else _record(ids[i], lps[i], ranks[i], n)
-                for i, n in enumerate(num_logprobs)]
+            return tokens, [None] * batch
+        width = self.logprobs.shape[1]
+        ids = host[:, 1:1 + width].tolist()
+        lps = host[:, 1 + width:1 + 2 * width].int().view(torch.float32).tolist()
+        ranks = host[:, -1].tolist()
+        return tokens, [None if n is None else _record(ids[i], lps[i], ranks[i], n)
+                        for i, n in enumerate(num_logprobs)]
+
+    def logprobs_records(self, num_logprobs: list[int | None]) -> list[Logprobs | None]:
+        """One record per row (None where the row asked for none), in one device->host copy."""
+        return self.to_host(num_logprobs)[1]
 
 
 def logprobs_record(out: SamplerOutput, row: int, num_logprobs: int) -> Logprobs:
     """Row ``row`` of ``out`` as a Logprobs record with its own ``num_logprobs`` top entries.
-    (Copies that row to the host; ``logprobs_records`` does the whole batch in one copy.)"""
+    (Copies that row to the host; ``to_host`` does the whole batch in one copy.)"""
     assert out.logprobs is not None and out.logprobs_token_ids is not None
     assert out.sampled_token_ranks is not None
     ids = out.logprobs_token_ids[row].tolist()

@@ -17,7 +17,7 @@ from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagellm.forward_context import set_forward_context
 from pagellm.layers.linear import prepack_linears_for_cpu
 from pagellm.sample.metadata import SamplingMetadata
-from pagellm.sample.sampler import Sampler, SamplerOutput, logprobs_record
+from pagellm.sample.sampler import Sampler, SamplerOutput
 from pagellm.worker.cuda_graphs import (
     GraphMemoryReserve,
     GraphRunner,
@@ -235,17 +235,19 @@ class ModelRunner:
                 # Rank 0's tokens keep every rank's persistent batch identical.
                 ids = (out.sampled_token_ids if out is not None else
                        torch.empty(len(sample_states), dtype=torch.long, device=self.device))
-                tokens = broadcast_from_rank0(ids).tolist()
+                ids = broadcast_from_rank0(ids)
+            records: list = [None] * len(sample_states)
+            if out is not None:
+                # One device->host copy per step: the tokens and every row's logprobs together.
+                tokens, records = out.to_host([s.sampling_params.logprobs for s in sample_states])
             else:
-                assert out is not None
-                tokens = out.sampled_token_ids.tolist()
+                tokens = ids.tolist()
             for j, (i, state) in enumerate(zip(sample_rows.tolist(), sample_states,
                                                strict=True)):
                 tok = int(tokens[j])
                 batch.append_token(state, tok)
                 sampled[i] = [tok]
-                if out is not None and state.sampling_params.logprobs is not None:
-                    logprobs[i] = logprobs_record(out, j, state.sampling_params.logprobs)
+                logprobs[i] = records[j]
         for state in states:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
         return ModelRunnerOutput(req_ids=order, sampled_token_ids=sampled, logprobs=logprobs)

@@ -213,6 +213,16 @@ def test_sustained_verdicts():
     assert judge_sustained(results, 10.0, tput)["sustained"] is False
     results, duration = _steady(30, 0.1, lambda i: 0.01 + 0.001 * i, lambda i: 0.5)
     assert judge_sustained(results, 10.0, tput)["sustained"] is True
+    # Every stream slowing down (TPOT over the SLO) fails the rate even with no queue: how an
+    # overloaded continuous-batching server that admits every request shows it.
+    results, duration = _steady(30, 0.1, lambda i: 0.05, lambda i: 0.05 + 9 * 0.25)
+    v = judge_sustained(results, 10.0, summarize(results, duration)["request_throughput"])
+    assert v["sustained"] is False and v["tpot_p99_ms"] == pytest.approx(250.0)
+    assert judge_sustained(results, 10.0, summarize(results, duration)["request_throughput"],
+                           slo_tpot_s=0.3)["sustained"] is True
+    results, duration = _steady(30, 0.1, lambda i: 2.5, lambda i: 3.0)
+    assert judge_sustained(results, 10.0, summarize(results, duration)["request_throughput"]
+                           )["sustained"] is False  # p99 TTFT over 2 s
     # One failure fails the rate; inf and tiny runs are not judged.
     results, duration = _steady(30, 0.1, lambda i: 0.05, lambda i: 0.5, fail=7)
     assert judge_sustained(results, 10.0, tput)["sustained"] is False
