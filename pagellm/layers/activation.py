@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagellm.kernels import cpu_ops
+from pagellm.layers.fused_ops import triton_ops
 
 
 class SiluAndMul(nn.Module):
@@ -18,7 +16,7 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_ops.supports(x):
             return cpu_ops.silu_and_mul(x)  # one pass, no gate/up temporaries
-        if x.is_cuda and (ops := _triton_ops()) is not None and ops.supports(x):
+        if x.is_cuda and (ops := triton_ops()) is not None and ops.supports(x):
             return ops.silu_and_mul(x)
         return self.forward_native(x)
 
@@ -27,13 +25,3 @@ class SiluAndMul(nn.Module):
         """The torch path (the reference of both kernels)."""
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
-
-
-@functools.cache
-def _triton_ops() -> ModuleType | None:
-    """pagellm.layers.triton_ops, imported on first CUDA use; None where triton is missing."""
-    try:
-        from pagellm.layers import triton_ops
-    except ImportError:
-        return None
-    return triton_ops

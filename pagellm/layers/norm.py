@@ -6,13 +6,11 @@ dtypes and where triton is missing."""
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
-
 import torch
 from torch import nn
 
 from pagellm.kernels import cpu_ops
+from pagellm.layers.fused_ops import triton_ops
 
 
 class RMSNorm(nn.Module):
@@ -41,7 +39,7 @@ class RMSNorm(nn.Module):
         if cpu_ops.supports(x, self.weight, *(() if residual is None else (residual,))):
             out, summed = cpu_ops.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, summed)
-        if x.is_cuda and (ops := _triton_ops()) is not None and ops.supports(
+        if x.is_cuda and (ops := triton_ops()) is not None and ops.supports(
                 x, self.weight, *(() if residual is None else (residual,))):
             out, summed = ops.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, summed)
@@ -55,13 +53,3 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
-
-
-@functools.cache
-def _triton_ops() -> ModuleType | None:
-    """pagellm.layers.triton_ops, imported on first CUDA use; None where triton is missing."""
-    try:
-        from pagellm.layers import triton_ops
-    except ImportError:
-        return None
-    return triton_ops

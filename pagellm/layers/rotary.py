@@ -6,15 +6,14 @@ by position; the rotation runs in the activation dtype, as in ``transformers``.
 
 from __future__ import annotations
 
-import functools
 import math
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagellm.kernels import cpu_ops
+from pagellm.layers.fused_ops import triton_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -107,7 +106,7 @@ class RotaryEmbedding(nn.Module):
             cpu_ops.rotary_(q, k, positions, self.cos_cache, self.sin_cache, self.head_dim)
             return q, k
         if (q.dim() == 2 and q.is_cuda and self.cos_cache.device == q.device
-                and (ops := _triton_ops()) is not None and ops.supports(q, k)):
+                and (ops := triton_ops()) is not None and ops.supports(q, k)):
             ops.rotary_(q, k, positions, self.cos_cache, self.sin_cache, self.head_dim)
             return q, k
         return self.forward_native(positions, q, k)
@@ -118,16 +117,6 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache.index_select(0, positions).to(q.dtype).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).to(q.dtype).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-
-@functools.cache
-def _triton_ops() -> ModuleType | None:
-    """pagellm.layers.triton_ops, imported on first CUDA use; None where triton is missing."""
-    try:
-        from pagellm.layers import triton_ops
-    except ImportError:
-        return None
-    return triton_ops
 
 
 def get_rope(head_dim: int, max_position: int, config: Any) -> RotaryEmbedding:

@@ -1,0 +1,40 @@
+"""The KV pool is allocated uninitialized: every block must be zeroed when it is handed out.
+
+A pool poisoned with NaN (what uninitialized memory may hold) must give exactly the outputs of a
+fresh one, for both attention backends, with chunked prefill, prefix-cache hits and block reuse
+(more requests than the pool holds at once)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+
+
+def _run(path, backend: str, poison: bool) -> list[list[int]]:
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=32, num_gpu_blocks_override=24, block_size=16,
+              enable_prefix_caching=True, attention_backend=backend)
+    runner = llm.llm_engine.engine_core.executor.runner
+    num_blocks = runner.num_blocks
+    for k, v in runner.kv_caches:
+        assert torch.count_nonzero(k[num_blocks:]) == 0  # null and scratch blocks are zero
+        if poison:
+            k[:num_blocks].fill_(float("nan"))
+            v[:num_blocks].fill_(float("nan"))
+    rng = random.Random(0)
+    vocab = llm.llm_engine.config.model.vocab_size
+    shared = [rng.randrange(3, vocab) for _ in range(40)]
+    prompts = [{"prompt_token_ids": (shared if i % 2 else []) +
+                [rng.randrange(3, vocab) for _ in range(rng.randint(5, 60))]} for i in range(10)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_nan_poisoned_pool_gives_identical_outputs(tiny_llama_dir, backend):
+    assert _run(tiny_llama_dir, backend, poison=True) == _run(tiny_llama_dir, backend,
+                                                              poison=False)
