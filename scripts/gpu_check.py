@@ -37,7 +37,6 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -45,6 +44,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import gpu_check_ops  # noqa: E402  (a sibling: python puts scripts/ on the path)
+import gpu_check_throughput  # noqa: E402
+from gpu_check_ops import check_ops  # noqa: E402
+from gpu_check_throughput import (  # noqa: E402
+    check_throughput,
+    save_word_tokenizer,
+    throughput_worker,
+)
 
 from pagellm.attention.backend import AttentionMetadata  # noqa: E402
 
@@ -219,15 +227,6 @@ def check_paged(dtype=torch.float32, n_new: int = 12, budget: int = 48, bs: int 
     assert got == want, "greedy tokens differ from transformers"
 
 
-def save_word_tokenizer(path: str, vocab_size: int) -> None:
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
-
-
 def check_engine(n_new: int = 12) -> None:
     try:
         from pagellm import LLM, SamplingParams
@@ -305,237 +304,6 @@ def check_bench() -> None:
             print(_bench_decode(batch, ctx, peak), flush=True)
 
 
-# Llama-3.2-1B shapes (1.24 B parameters, tied embeddings), random weights.
-LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-THROUGHPUT_BATCHES = (1, 16, 64)
-THROUGHPUT_LENS = (128, 64)  # prompt tokens, generated tokens
-THROUGHPUT_TIMEOUT_S = 120
-
-
-def measure_copy_bandwidth(mib: int = 2048, repeats: int = 5) -> float:
-    """Device copy bandwidth in bytes/s (read + write) of a ``mib`` MiB tensor, best of n."""
-    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
-    best = math.inf
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() / best
-
-
-def throughput_worker(spec: dict) -> dict:
-    """One engine (one model, graphs or eager) in this process: decode figures per batch size."""
-    import numpy as np
-
-    from pagellm.benchmarks.latency import decode_weight_bytes, run_batch
-    from pagellm.config import EngineArgs
-    from pagellm.engine.llm_engine import LLMEngine
-    from pagellm.worker.kv_cache import config_kv_bytes_per_token
-
-    # The spec's optional keys let the CPU test run this on a tiny model.
-    prompt_len, out_len = spec.get("lens", THROUGHPUT_LENS)
-    batches = spec.get("batches", THROUGHPUT_BATCHES)
-    args = EngineArgs(model=spec["model"], load_format=spec["load_format"],
-                      dtype=spec.get("dtype", "bfloat16"), device=DEV,
-                      max_model_len=spec.get("max_model_len", 1024), max_num_seqs=max(batches),
-                      max_num_batched_tokens=4096, gpu_memory_utilization=0.5,
-                      kv_cache_memory=spec.get("kv_cache_memory"),
-                      attention_backend=spec.get("attention_backend", "auto"),
-                      enforce_eager=spec["eager"])
-    start = time.perf_counter()
-    engine = LLMEngine.from_engine_args(args)
-    startup_s = time.perf_counter() - start
-    runner = engine.engine_core.executor.runner
-    graphs = runner.graph_runner
-    weights = decode_weight_bytes(runner.model)[1]
-    kv_per_token = config_kv_bytes_per_token(engine.config)
-    vocab = engine.config.model.vocab_size
-    rng = random.Random(0)
-    rows = []
-    for batch in batches:
-        steps, tokens, seconds = [], 0, 0.0
-        for it in range(3):  # the first batch warms up
-            prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
-            t = run_batch(engine, prompts, out_len, f"b{batch}-{it}")
-            if it:
-                steps += t.decode_step_s
-                tokens += t.num_output_tokens
-                seconds += t.latency_s
-        step_s = float(np.median(steps))
-        kv_read = batch * (prompt_len + out_len / 2) * kv_per_token  # mean context of a step
-        rows.append(dict(batch=batch, step_ms=step_s * 1e3, decode_tok_s=batch / step_s,
-                         e2e_tok_s=tokens / seconds, bytes_per_step=weights + kv_read))
-    engine.shutdown()
-    return dict(rows=rows, startup_s=startup_s,
-                copy_bw=measure_copy_bandwidth(spec.get("copy_mib", 2048)),
-                capture_s=graphs.capture_seconds if graphs else 0.0,
-                graph_mib=graphs.graph_memory_bytes / 2**20 if graphs else 0.0,
-                reserved_mib=graphs.reserved_bytes / 2**20 if graphs else 0.0,
-                graph_steps=dict(graphs.num_steps) if graphs else {})
-
-
-def _run_throughput(name: str, spec: dict) -> dict:
-    cmd = [sys.executable, __file__, "--throughput-worker", json.dumps(spec)]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                              timeout=THROUGHPUT_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"{name}: over {THROUGHPUT_TIMEOUT_S} s") from None
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("THROUGHPUT_JSON ")]
-    for ln in proc.stderr.splitlines():  # the engine's start-up log: phases, memory, capture
-        if any(k in ln for k in ("Start-up phases", "CUDA graphs", "GPU memory")):
-            print(f"    [{name}] {ln.split('] ')[-1]}")
-    if proc.returncode != 0 or not lines:
-        print(proc.stdout[-2000:] + proc.stderr[-4000:])
-        raise AssertionError(f"{name}: worker failed (rc {proc.returncode})")
-    return json.loads(lines[-1].removeprefix("THROUGHPUT_JSON "))
-
-
-def check_throughput() -> None:
-    from transformers import LlamaConfig
-
-    from pagellm.models.loader import default_model_path
-
-    tmp = tempfile.mkdtemp(prefix="pagellm-1b-")  # config + tokenizer only: a few MB
-    LlamaConfig(**LLAMA_1B).save_pretrained(tmp)
-    save_word_tokenizer(tmp, LLAMA_1B["vocab_size"])
-    models = [("llama-1b-dummy", dict(model=tmp, load_format="dummy"))]
-    try:
-        models.append(("default-model", dict(model=default_model_path(), load_format="auto")))
-    except Exception as e:
-        print(f"  SKIPPED default model: not installed here ({e!r})")
-    prompt_len, out_len = THROUGHPUT_LENS
-    print(f"  bf16, prompts of {prompt_len} tokens, {out_len} generated; step = median decode "
-          "step; BW = (weights + mean K/V) bytes per step / step time")
-    for name, spec in models:
-        res = {mode: _run_throughput(f"{name} {mode}", dict(spec, eager=mode == "eager"))
-               for mode in ("graphs", "eager")}
-        g, e = res["graphs"], res["eager"]
-        copy_bw = g["copy_bw"]
-        print(f"  {name}: copy bandwidth {copy_bw / 1e9:.0f} GB/s; start-up graphs "
-              f"{g['startup_s']:.1f} s (capture {g['capture_s']:.1f} s, {g['graph_mib']:.0f} MiB "
-              f"measured vs {g['reserved_mib']:.0f} MiB reserved), eager {e['startup_s']:.1f} s")
-        for rg, re_ in zip(g["rows"], e["rows"], strict=True):
-            line = f"    batch {rg['batch']:3d}"
-            for mode, r in (("graphs", rg), ("eager", re_)):
-                bw = r["bytes_per_step"] / (r["step_ms"] / 1e3)
-                line += (f" | {mode} {r['step_ms']:7.2f} ms/step {r['decode_tok_s']:8.0f} tok/s "
-                         f"(e2e {r['e2e_tok_s']:7.0f}) BW {bw / 1e9:5.0f} GB/s "
-                         f"{100 * bw / copy_bw:4.1f}% of copy")
-            print(line + f" | speed-up {re_['step_ms'] / rg['step_ms']:.2f}x", flush=True)
-        assert g["graph_steps"], f"{name}: no decode step ran on a CUDA graph"
-
-
-def _ops_compare(name: str, out: torch.Tensor, ref: torch.Tensor, max_ulp: int = 2) -> None:
-    """float32: round-off; 16-bit: at most ``max_ulp`` apart, on at most 2% of the elements.
-
-    Two ulps by default: a last-ulp change of a float32 intermediate (the variance's summation
-    order, exp) moves a rounded 16-bit intermediate by one ulp, which the next multiply (by the
-    weight, by up) can widen to two. Rotary has no such intermediate (the table is shared)."""
-    if out.dtype == torch.float32:
-        err = (out - ref).abs().max().item()
-        ok = bool(torch.allclose(out, ref, rtol=1e-5, atol=1e-5))
-        detail = f"max_err={err:.1e}"
-    else:
-        def ordered(t):
-            i = t.contiguous().view(torch.int16).int()
-            return torch.where(i < 0, -(i & 0x7FFF), i)
-
-        dist = (ordered(out) - ordered(ref)).abs()
-        frac = (dist > 0).float().mean().item()
-        ok = dist.max().item() <= max_ulp and frac <= 0.02
-        detail = f"max_ulp={dist.max().item()} off={frac:.3%}"
-    print(f"  {name:44s} {detail} {'ok' if ok else 'FAIL'}", flush=True)
-    assert ok and not out.isnan().any(), name
-
-
-def _ops_time(fn) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(50):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 50 * 1e3  # us
-
-
-def check_ops() -> None:
-    """Triton RMSNorm(+residual) / rotary / SiLU-and-mul (pagellm/layers/triton_ops.py) against
-    the layers' torch paths; on CUDA also that the layers dispatch to them, and their times."""
-    from pagellm.layers import triton_ops as ops
-    from pagellm.layers.activation import SiluAndMul
-    from pagellm.layers.norm import RMSNorm
-    from pagellm.layers.rotary import RotaryEmbedding
-
-    cuda = DEV == "cuda"
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        g = torch.Generator(device=DEV).manual_seed(0)
-
-        def rnd(*shape, scale=1.0, g=g, dtype=dtype):
-            return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
-
-        dt = str(dtype).removeprefix("torch.")
-        for hidden, rows in ((4096, 256), (576, 7), (100, 1)):
-            norm = RMSNorm(hidden, 1e-5).to(DEV, dtype)
-            norm.weight.data.copy_(rnd(hidden, scale=0.3) + 1)
-            x, r = rnd(rows, hidden + 64, scale=3.0)[:, :hidden], rnd(rows, hidden)
-            out, summed = ops.rms_norm(x, norm.weight, norm.eps, r)
-            ref, ref_summed = norm.forward_native(x, r)
-            assert torch.equal(summed, ref_summed), "rms_norm residual sum"
-            _ops_compare(f"rms_norm+res {dt} {rows}x{hidden}", out, ref)
-            _ops_compare(f"rms_norm {dt} {rows}x{hidden}", ops.rms_norm(x, norm.weight, 1e-5)[0],
-                         norm.forward_native(x))
-            if cuda:
-                assert torch.equal(norm(x, r)[0], out), "RMSNorm did not take the kernel"
-        for hq, hk, d, rot in ((32, 8, 128, 128), (14, 2, 64, 64), (32, 8, 128, 64)):
-            rope = RotaryEmbedding(d, rot, 4096, {"rope_type": "default", "rope_theta": 5e5})
-            rope = rope.to(DEV)
-            qkv = rnd(300, (hq + 2 * hk) * d, scale=2.0)
-            pos = torch.randint(0, 4096, (300,), generator=g, device=DEV)
-            q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
-            ref_q, ref_k = rope.forward_native(pos, q, k)
-            if cuda:  # the layer, in place on a copy
-                q2, k2, _ = qkv.clone().split([hq * d, hk * d, hk * d], dim=-1)
-                rope(pos, q2, k2)
-            ops.rotary_(q, k, pos, rope.cos_cache, rope.sin_cache, d)
-            _ops_compare(f"rotary q {dt} Hq={hq} Hk={hk} D={d} rot={rot}", q, ref_q, max_ulp=1)
-            _ops_compare(f"rotary k {dt} Hq={hq} Hk={hk} D={d} rot={rot}", k, ref_k, max_ulp=1)
-            if cuda:
-                assert torch.equal(q2, q) and torch.equal(k2, k), "rotary did not take the kernel"
-        for rows, d in ((256, 14336), (7, 100)):
-            x = rnd(rows, 2 * d, scale=3.0)
-            out = ops.silu_and_mul(x)
-            _ops_compare(f"silu_and_mul {dt} {rows}x{d}", out, SiluAndMul.forward_native(x))
-            if cuda:
-                assert torch.equal(SiluAndMul()(x), out), "SiluAndMul did not take the kernel"
-    if cuda:  # times at a decode-ish batch of 64 tokens, Llama-3-8B shapes, bf16
-        g = torch.Generator(device=DEV).manual_seed(1)
-        x = torch.randn(64, 4096, generator=g, device=DEV).bfloat16()
-        norm = RMSNorm(4096).to(DEV, torch.bfloat16)
-        rope = RotaryEmbedding(128, 128, 4096, {"rope_type": "default", "rope_theta": 5e5})
-        rope = rope.to(DEV)
-        qkv = torch.randn(64, 48 * 128, generator=g, device=DEV).bfloat16()
-        q, k, _ = qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1)
-        pos = torch.arange(64, device=DEV)
-        gu = torch.randn(64, 2 * 14336, generator=g, device=DEV).bfloat16()
-        cases = (("rms_norm+res", lambda: norm(x, x), lambda: norm.forward_native(x, x)),
-                 ("rotary", lambda: rope(pos, q, k), lambda: rope.forward_native(pos, q, k)),
-                 ("silu_and_mul", lambda: SiluAndMul()(gu), lambda: SiluAndMul.forward_native(gu)))
-        for name, fused, native in cases:
-            print(f"  time {name:13s} triton {_ops_time(fused):6.1f} us | "
-                  f"torch {_ops_time(native):6.1f} us", flush=True)
-
-
 CHECKS = {"tests": check_tests, "sweep": check_sweep, "paged": check_paged,
           "engine": check_engine, "bench": check_bench, "throughput": check_throughput,
           "ops": check_ops}
@@ -549,7 +317,7 @@ def main() -> int:
     ap.add_argument("--throughput-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     global DEV
-    DEV = args.device
+    DEV = gpu_check_ops.DEV = gpu_check_throughput.DEV = args.device
     if args.throughput_worker:
         import logging
 
