@@ -38,6 +38,10 @@ def _worker(rank: int, store: str, paths: list[str], out_dir: str) -> None:
             torch.save(_logits(path), os.path.join(out_dir, f"rank{rank}-{i}.pt"))
     finally:
         destroy_tp()
+    # NOTE: skip interpreter finalization: gloo's C++ threads can still be tearing down then and
+    # abort the process ("terminate called without an active exception", seen once in CI; a
+    # known torch teardown race). The results are on disk; the process's work is done.
+    os._exit(0)
 
 
 def test_tp2_matches_tp1(tmp_path, tiny_model_dir, make_tiny_model):
