@@ -290,9 +290,9 @@ class AsyncLLM:
     def _process(self, batch: EngineCoreOutputs) -> None:
         failed = [o.req_id for o in batch.outputs if o.finish_reason == FinishReason.ERROR]
         if failed:
-            # Failed samples count as aborted in the metrics (their finish-reason labels are
-            # stop/length/abort); popped here, update() below skips them.
-            self._record(None, self.request_stats.abort(failed))
+            # Failed samples finish with reason "error" in the metrics; popped here, update()
+            # below skips them.
+            self._record(None, self.request_stats.abort(failed, reason="error"))
         processed = self.output_processor.process_outputs(batch.outputs)
         if processed.reqs_to_stop:
             # A stop string ended these samples: the engine must stop them too.

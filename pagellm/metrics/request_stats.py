@@ -15,7 +15,7 @@ from pagellm.core.sched_output import EngineCoreOutput
 
 @dataclass(slots=True)
 class FinishedRequestStats:
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
     e2e_latency: float
     queue_time: float | None
     num_prompt_tokens: int
@@ -86,12 +86,14 @@ class RequestStatsTracker:
                 it.finished.append(self._finish(req_id, "stop", now))
         return it
 
-    def abort(self, req_ids: list[str], now: float | None = None) -> IterationMetrics:
+    def abort(self, req_ids: list[str], now: float | None = None,
+              reason: str = "abort") -> IterationMetrics:
+        """Finish requests the engine will not report on: aborted, or failed ("error")."""
         now = time.monotonic() if now is None else now
         it = IterationMetrics()
         for req_id in req_ids:
             if req_id in self._timings:
-                it.finished.append(self._finish(req_id, "abort", now))
+                it.finished.append(self._finish(req_id, reason, now))
         return it
 
     def _finish(self, req_id: str, reason: str, now: float) -> FinishedRequestStats:

@@ -113,12 +113,12 @@ def test_log_line_every_interval_while_busy(caplog):
         assert log.log() is None
 
 
-@pytest.mark.parametrize("reason", ["stop", "length", "abort"])
+@pytest.mark.parametrize("reason", ["stop", "length", "abort", "error"])
 def test_success_counter_labels(reason):
     p = PrometheusStatLogger("m", 16)
     t = RequestStatsTracker()
     t.add("a", 0.0, 1)
-    it = t.abort(["a"], now=1.0) if reason == "abort" else \
+    it = t.abort(["a"], now=1.0, reason=reason) if reason in ("abort", "error") else \
         t.update([EngineCoreOutput("a", [1], reason)], {}, [], now=1.0)
     p.record(None, it)
     assert samples(p)[("pagellm:request_success_total", (("finished_reason", reason),))] == 1

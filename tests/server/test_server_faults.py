@@ -71,7 +71,11 @@ def assert_server_error(resp: httpx.Response) -> None:
 def test_failed_step_gives_500_then_serving_goes_on(server):
     base = server.base_url
     ref = complete(base, GOOD).json()["choices"][0]["text"]
+    errors_before = metric(scrape(base), "pagellm:request_success_total",
+                           finished_reason="error")
     assert_server_error(complete(base, BAD))
+    assert metric(scrape(base), "pagellm:request_success_total",
+                  finished_reason="error") == errors_before + 1
     assert_server_error(complete(base, [GOOD, BAD]))  # a batch fails whole
     chat = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
         "messages": [{"role": "user", "content": "hi"}], **GREEDY})
