@@ -14,7 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
-from pagellm.attention.torch_backend import TorchAttentionBackend, causal_attention
+from pagellm.attention.torch_backend import (
+    TorchAttentionBackend,
+    causal_attention,
+    split_decode_prefill,
+)
 from pagellm.kernels import cpu_ops
 
 
@@ -37,12 +41,7 @@ def _plan(meta: AttentionMetadata) -> _StepPlan:
     if _last_plan and _last_plan[0].meta is meta:
         return _last_plan[0]
     starts = meta.query_start_loc_cpu
-    if meta.is_decode_only:
-        decode_seqs, prefill_seqs = list(range(meta.num_seqs)), []
-    else:
-        decode_seqs, prefill_seqs = [], []
-        for i in range(meta.num_seqs):
-            (decode_seqs if starts[i + 1] - starts[i] == 1 else prefill_seqs).append(i)
+    decode_seqs, prefill_seqs = split_decode_prefill(meta)
     block_tables = meta.block_tables
     if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
         block_tables = block_tables.to(torch.int32).contiguous()

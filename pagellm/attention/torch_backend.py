@@ -40,6 +40,18 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
+def split_decode_prefill(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
+    """The step's sequences with one new token (decodes) and with more (prefill chunks)."""
+    if meta.is_decode_only:
+        return list(range(meta.num_seqs)), []
+    starts = meta.query_start_loc_cpu
+    decode_seqs: list[int] = []
+    prefill_seqs: list[int] = []
+    for i in range(meta.num_seqs):
+        (decode_seqs if starts[i + 1] - starts[i] == 1 else prefill_seqs).append(i)
+    return decode_seqs, prefill_seqs
+
+
 _WORKSPACE: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
@@ -61,12 +73,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         starts = meta.query_start_loc_cpu
         seq_lens = meta.seq_lens_cpu
-        if meta.is_decode_only:
-            decode_seqs, prefill_seqs = list(range(meta.num_seqs)), []
-        else:
-            decode_seqs, prefill_seqs = [], []
-            for i in range(meta.num_seqs):
-                (decode_seqs if starts[i + 1] - starts[i] == 1 else prefill_seqs).append(i)
+        decode_seqs, prefill_seqs = split_decode_prefill(meta)
         for group in _length_buckets(decode_seqs, seq_lens):
             self._decode(query, k_cache, v_cache, meta, group, out)
         for i in prefill_seqs:
