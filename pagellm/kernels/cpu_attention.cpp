@@ -1,21 +1,40 @@
-// Paged decode attention and KV-cache writes on the CPU, float32 and bfloat16.
+// Paged attention and KV-cache writes on the CPU, float32 and bfloat16.
 //
-// Decode attention is bound by reading K/V from memory, so each work item is one sequence:
-// every cache row (all kv heads of a token, contiguous) is read once, block by block, with the
-// next block prefetched (blocks are scattered, which defeats the hardware prefetcher at each
-// block edge). Pass 1 computes the scores of all heads for a block of tokens at a time, pass 2
-// accumulates V with the accumulators of a kv head's query group held in registers. Softmax and
-// accumulation are float32. AVX-512 (and AVX512-BF16 dot products) where the machine has them,
-// plain loops otherwise.
+// Each work item is one query row attending to the first L cached tokens of its sequence: a
+// decode token, or one token of a prefill chunk (L = its position + 1) once the chunk's K/V are
+// in the cache. Decode is bound by reading K/V from memory, so an item reads every cache row (all kv heads of a token, contiguous) once, block by block, with the
+// blocks PF ahead prefetched (blocks are scattered, which defeats the hardware prefetcher at
+// each block edge). Pass 1 computes the scores of all heads for 16 tokens at a time: with AMX
+// (bfloat16, up to 16 heads) as one tile product per (kv head, 32 dims) of the K rows against
+// the query group's transposed rows, else with AVX512-BF16 dot products and a transpose-add
+// tree; pass 2 accumulates V with the accumulators of a kv head's query group held in
+// registers. Softmax and accumulation are float32. Plain loops where the machine has neither.
 
 #include <algorithm>
+#include <memory>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "cpu_common.h"
 
 namespace pagellm {
 namespace {
 
+// How many blocks ahead K/V are prefetched.
+constexpr int64_t PF = 2;
+
+// Lines [part, part + 1) * bytes / parts of a region: spreads a block's prefetches over the
+// compute of the block before it (a burst of them fills the line-fill buffers and stalls).
+inline void prefetch_part(const void* p, int64_t bytes, int64_t part, int64_t parts) {
+  const int64_t lines = (bytes + 63) / 64, per = (lines + parts - 1) / parts;
+  const char* c = static_cast<const char*>(p);
+  for (int64_t l = part * per; l < std::min(lines, (part + 1) * per); ++l)
+    __builtin_prefetch(c + l * 64, 0, 3);
+}
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
@@ -63,10 +82,11 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
 }
 
-// acc[g][:] += p[g * ld + j] * v_j for the n tokens of a block; G x DC accumulators in registers.
+// acc[g][:] += p[g * pg + j * pj] * v_j for the n tokens of a block; G x DC accumulators in
+// registers.
 template <typename T, int G, int DC>
-void accumulate_block(float* acc, const float* p, int64_t ld, const T* vb, int64_t row,
-                      int64_t n) {
+void accumulate_block(float* acc, const float* p, int64_t pg, int64_t pj, const T* vb,
+                      int64_t row, int64_t n) {
   __m512 a[G][DC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DC; ++c) a[g][c] = _mm512_loadu_ps(acc + (g * DC + c) * 16);
@@ -74,8 +94,8 @@ void accumulate_block(float* acc, const float* p, int64_t ld, const T* vb, int64
     __m512 v[DC];
     for (int c = 0; c < DC; ++c) v[c] = load16(vb + j * row + c * 16);
     for (int g = 0; g < G; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * ld + j]);
-      for (int c = 0; c < DC; ++c) a[g][c] = _mm512_fmadd_ps(pg, v[c], a[g][c]);
+      const __m512 w = _mm512_set1_ps(p[g * pg + j * pj]);
+      for (int c = 0; c < DC; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
     }
   }
   for (int g = 0; g < G; ++g)
@@ -84,18 +104,19 @@ void accumulate_block(float* acc, const float* p, int64_t ld, const T* vb, int64
 #endif
 
 template <typename T>
-void accumulate_block_generic(float* acc, const float* p, int64_t ld, int64_t G, const T* vb,
-                              int64_t row, int64_t n, int64_t D) {
+void accumulate_block_generic(float* acc, const float* p, int64_t pg, int64_t pj, int64_t G,
+                              const T* vb, int64_t row, int64_t n, int64_t D) {
   using C = std::conditional_t<sizeof(T) == 2, BF16, F32>;
   for (int64_t j = 0; j < n; ++j)
     for (int64_t d = 0; d < D; ++d) {
       const float x = C::load(vb[j * row + d]);
-      for (int64_t g = 0; g < G; ++g) acc[g * D + d] += p[g * ld + j] * x;
+      for (int64_t g = 0; g < G; ++g) acc[g * D + d] += p[g * pg + j * pj] * x;
     }
 }
 
 template <typename T>
-using AccumulateFn = void (*)(float*, const float*, int64_t, const T*, int64_t, int64_t);
+using AccumulateFn = void (*)(float*, const float*, int64_t, int64_t, const T*, int64_t,
+                              int64_t);
 
 // The register-blocked accumulator for (G, D), or null when none is compiled for it.
 template <typename T>
@@ -173,12 +194,145 @@ float softmax_unnormalized(float* s, int64_t L) {
   return 1.f / sum;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PAGELLM_AMX 1
+// Linux hands the AMX tile state only to processes that ask for it (oneDNN asks too).
+bool amx_permitted() {
+  static const bool ok =
+      syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// This thread's tiles, all 16 rows x 64 bytes: 0 = C: scores [16 tokens x 16 heads] float32,
+// 1 = A: K [16 tokens x 32 dims], 2..7 = B: q^T [16 dim pairs x 16 heads x 2] (VNNI) of each
+// (kv head, 32 dims), kept for a whole sequence when they fit (else tile 2, reloaded). The
+// caller's configuration (oneDNN's, or none) is saved and put back.
+class ScoreTiles {
+ public:
+  ScoreTiles() {
+    _tile_storeconfig(&saved_);
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+  }
+  ~ScoreTiles() { _tile_loadconfig(&saved_); }
+  ScoreTiles(const ScoreTiles&) = delete;
+  ScoreTiles& operator=(const ScoreTiles&) = delete;
+
+ private:
+  TileConfig saved_;
+};
+
+// qt[c][half] (16 x 32 bf16 each) = the VNNI B tile of kv head c's query group for dims
+// [32 half, 32 half + 32): column n holds head n's dim pairs when n is in group c, else 0.
+void build_query_tiles(uint16_t* qt, const uint16_t* q, int64_t H, int64_t G, int64_t Hkv,
+                       int64_t D) {
+  const int64_t halves = D / 32;
+  std::memset(qt, 0, Hkv * halves * 512 * sizeof(uint16_t));
+  for (int64_t n = 0; n < H; ++n) {
+    const int64_t c = n / G;
+    for (int64_t half = 0; half < halves; ++half) {
+      uint16_t* tile = qt + (c * halves + half) * 512;
+      const uint16_t* qn = q + n * D + half * 32;
+      for (int64_t r = 0; r < 16; ++r) {
+        tile[r * 32 + 2 * n] = qn[2 * r];
+        tile[r * 32 + 2 * n + 1] = qn[2 * r + 1];
+      }
+    }
+  }
+}
+
+// Up to 6 query tiles stay in tiles 2..7 for a whole sequence.
+constexpr int64_t kResidentQueryTiles = 6;
+
+inline void load_query_tiles(const uint16_t* qt, int64_t ntiles) {
+  if (ntiles > 0) _tile_loadd(2, qt + 0 * 512, 64);
+  if (ntiles > 1) _tile_loadd(3, qt + 1 * 512, 64);
+  if (ntiles > 2) _tile_loadd(4, qt + 2 * 512, 64);
+  if (ntiles > 3) _tile_loadd(5, qt + 3 * 512, 64);
+  if (ntiles > 4) _tile_loadd(6, qt + 4 * 512, 64);
+  if (ntiles > 5) _tile_loadd(7, qt + 5 * 512, 64);
+}
+
+// st[j][n] = q_n . k_j (unscaled) for the 16 token rows of kb, every head n < 16 at once: one
+// tile product per (kv head, 32 dims), the other groups' columns of B being zero. With
+// ``resident`` the query tiles are already in tiles 2..7.
+inline void amx_block_scores(float* st, const uint16_t* kb, int64_t row, const uint16_t* qt,
+                             int64_t Hkv, int64_t D, bool resident) {
+  const int64_t halves = D / 32;
+  _tile_zero(0);
+  for (int64_t c = 0; c < Hkv; ++c)
+    for (int64_t half = 0; half < halves; ++half) {
+      const int64_t i = c * halves + half;
+      _tile_loadd(1, kb + c * D + half * 32, row * 2);
+      if (!resident) {
+        _tile_loadd(2, qt + i * 512, 64);
+        _tile_dpbf16ps(0, 1, 2);
+        continue;
+      }
+      switch (i) {
+        case 0: _tile_dpbf16ps(0, 1, 2); break;
+        case 1: _tile_dpbf16ps(0, 1, 3); break;
+        case 2: _tile_dpbf16ps(0, 1, 4); break;
+        case 3: _tile_dpbf16ps(0, 1, 5); break;
+        case 4: _tile_dpbf16ps(0, 1, 6); break;
+        default: _tile_dpbf16ps(0, 1, 7); break;
+      }
+    }
+  _tile_stored(0, st, 64);
+}
+
+// Scale, exponentiate and sum st [L][16] column-wise (head n = lane n); inv[n] = 1 / sum.
+void softmax_columns(float* st, int64_t L, float scale, float* inv) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < L; ++t) {
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(st + t * 16), vscale);
+    _mm512_storeu_ps(st + t * 16, x);
+    vm = _mm512_max_ps(vm, x);
+  }
+  __m512 vs = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(st + t * 16), vm));
+    _mm512_storeu_ps(st + t * 16, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), vs));
+}
+#endif
+
+// Whether this call takes the AMX path: bfloat16, all heads in one tile's 16 rows/columns,
+// whole 32-dim halves and 16-token blocks.
 template <typename C>
-void decode_attention(typename C::T* out, int64_t out_stride, const typename C::T* q,
+bool use_amx(int64_t H, int64_t D, int64_t block_size) {
+#if defined(PAGELLM_AMX)
+  return sizeof(typename C::T) == 2 && H <= 16 && D % 32 == 0 && block_size % 16 == 0 &&
+         amx_permitted();
+#else
+  (void)H;
+  (void)D;
+  (void)block_size;
+  return false;
+#endif
+}
+
+template <typename C>
+void paged_attention(typename C::T* out, int64_t out_stride, const typename C::T* q,
                       int64_t q_stride, const int64_t* token_rows, const typename C::T* k_cache,
                       const typename C::T* v_cache, const int32_t* block_tables,
-                      int64_t bt_stride, const int32_t* seq_lens, const int64_t* seq_ids,
-                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t bt_stride, const int32_t* item_lens, const int64_t* item_bt_rows,
+                      int64_t num_items, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       int64_t block_size, float scale) {
   using T = typename C::T;
   const int64_t H = num_heads, Hkv = num_kv_heads, G = H / Hkv, D = head_dim;
@@ -186,42 +340,83 @@ void decode_attention(typename C::T* out, int64_t out_stride, const typename C::
   const int64_t block_elems = block_size * row;
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
   const AccumulateFn<T> accumulate = pick_accumulate<T>(G, D);
+  const bool amx = use_amx<C>(H, D, block_size);
 #pragma omp parallel
   {
-    std::vector<float> acc(H * D), scores, inv(H);
+    // Scores: [head][token] on the vector path, [token][16 lanes = heads] on the AMX path.
+    std::vector<float> acc(H * D), scores, inv(16);
+    std::vector<uint16_t> qt;
+#if defined(PAGELLM_AMX)
+    std::unique_ptr<ScoreTiles> tiles;
+    if (amx) {
+      tiles = std::make_unique<ScoreTiles>();
+      qt.resize(Hkv * (D / 32) * 512);
+    }
+#endif
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_seqs; ++item) {
-      const int64_t s = seq_ids[item];
-      const int64_t L = seq_lens[s];
+    for (int64_t item = 0; item < num_items; ++item) {
+      const int64_t L = item_lens[item];
       const int64_t nblocks = (L + block_size - 1) / block_size;
-      const int32_t* bt = block_tables + s * bt_stride;
+      const int32_t* bt = block_tables + item_bt_rows[item] * bt_stride;
       const T* qrow = q + token_rows[item] * q_stride;
-      scores.resize(H * L);
-      // Pass 1: scores[h][t] = scale * q_h . k_t, 16 tokens at a time.
-      for (int64_t b = 0; b < nblocks; ++b) {
-        if (b + 1 < nblocks) prefetch_bytes(k_cache + bt[b + 1] * block_elems, block_bytes);
-        const T* kb = k_cache + bt[b] * block_elems;
-        const int64_t t0 = b * block_size;
-        const int64_t n = std::min(L - t0, block_size);
-        for (int64_t j0 = 0; j0 < n; j0 += 16)
-          for (int64_t h = 0; h < H; ++h)
-            block_scores<C>(scores.data() + h * L + t0 + j0, qrow + h * D,
-                            kb + j0 * row + (h / G) * D, row, std::min<int64_t>(16, n - j0), D,
-                            scale);
+      for (int64_t b = 0; b < std::min<int64_t>(PF, nblocks); ++b)
+        prefetch_bytes(k_cache + bt[b] * block_elems, block_bytes);
+      // Pass 1: every head's scores, 16 tokens at a time, the block PF ahead prefetched
+      // piece by piece; then the softmax numerators and 1 / their sums.
+      int64_t pg = L, pj = 1;  // where p[head g][token j] lies in scores
+      if (amx) {
+#if defined(PAGELLM_AMX)
+        scores.resize(nblocks * block_size * 16);
+        build_query_tiles(qt.data(), reinterpret_cast<const uint16_t*>(qrow), H, G, Hkv, D);
+        const int64_t nqt = Hkv * (D / 32);
+        const bool resident = nqt <= kResidentQueryTiles;
+        if (resident) load_query_tiles(qt.data(), nqt);
+        for (int64_t b = 0; b < nblocks; ++b) {
+          const T* kb = k_cache + bt[b] * block_elems;
+          const T* kn = b + PF < nblocks ? k_cache + bt[b + PF] * block_elems : nullptr;
+          for (int64_t j0 = 0; j0 < block_size && b * block_size + j0 < L; j0 += 16) {
+            if (kn != nullptr) prefetch_part(kn, block_bytes, j0 / 16, block_size / 16);
+            amx_block_scores(scores.data() + (b * block_size + j0) * 16,
+                             reinterpret_cast<const uint16_t*>(kb + j0 * row), row, qt.data(),
+                             Hkv, D, resident);
+          }
+        }
+        softmax_columns(scores.data(), L, scale, inv.data());
+        pg = 1;
+        pj = 16;
+#endif
+      } else {
+        scores.resize(H * L);
+        for (int64_t b = 0; b < nblocks; ++b) {
+          const T* kb = k_cache + bt[b] * block_elems;
+          const T* kn = b + PF < nblocks ? k_cache + bt[b + PF] * block_elems : nullptr;
+          const int64_t t0 = b * block_size;
+          const int64_t n = std::min(L - t0, block_size);
+          for (int64_t j0 = 0; j0 < n; j0 += 16)
+            for (int64_t h = 0; h < H; ++h) {
+              if (kn != nullptr && j0 == 0) prefetch_part(kn, block_bytes, h, H);
+              block_scores<C>(scores.data() + h * L + t0 + j0, qrow + h * D,
+                              kb + j0 * row + (h / G) * D, row, std::min<int64_t>(16, n - j0), D,
+                              scale);
+            }
+        }
+        for (int64_t h = 0; h < H; ++h) inv[h] = softmax_unnormalized(scores.data() + h * L, L);
       }
-      for (int64_t h = 0; h < H; ++h) inv[h] = softmax_unnormalized(scores.data() + h * L, L);
       // Pass 2: acc[h] = sum_t p[h][t] * v_t
+      for (int64_t b = 0; b < std::min<int64_t>(PF, nblocks); ++b)
+        prefetch_bytes(v_cache + bt[b] * block_elems, block_bytes);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t b = 0; b < nblocks; ++b) {
-        if (b + 1 < nblocks) prefetch_bytes(v_cache + bt[b + 1] * block_elems, block_bytes);
         const T* vb = v_cache + bt[b] * block_elems;
+        const T* vn = b + PF < nblocks ? v_cache + bt[b + PF] * block_elems : nullptr;
         const int64_t t0 = b * block_size;
         const int64_t n = std::min(L - t0, block_size);
         for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+          if (vn != nullptr) prefetch_part(vn, block_bytes, kvh, Hkv);
           float* a = acc.data() + kvh * G * D;
-          const float* p = scores.data() + kvh * G * L + t0;
-          if (accumulate != nullptr) accumulate(a, p, L, vb + kvh * D, row, n);
-          else accumulate_block_generic(a, p, L, G, vb + kvh * D, row, n, D);
+          const float* p = scores.data() + kvh * G * pg + t0 * pj;
+          if (accumulate != nullptr) accumulate(a, p, pg, pj, vb + kvh * D, row, n);
+          else accumulate_block_generic(a, p, pg, pj, G, vb + kvh * D, row, n, D);
         }
       }
       T* orow = out + token_rows[item] * out_stride;
@@ -249,24 +444,25 @@ using namespace pagellm;
 extern "C" {
 
 // dtype codes: 0 = float32, 1 = bfloat16
-void pagellm_decode_attention(int dtype, void* out, int64_t out_stride, const void* q,
+void pagellm_paged_attention(int dtype, void* out, int64_t out_stride, const void* q,
                               int64_t q_stride, const int64_t* token_rows, const void* k_cache,
                               const void* v_cache, const int32_t* block_tables, int64_t bt_stride,
-                              const int32_t* seq_lens, const int64_t* seq_ids, int64_t num_seqs,
+                              const int32_t* item_lens, const int64_t* item_bt_rows,
+                              int64_t num_items,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                               int64_t block_size, float scale) {
   if (dtype == 0)
-    decode_attention<F32>(static_cast<float*>(out), out_stride, static_cast<const float*>(q),
+    paged_attention<F32>(static_cast<float*>(out), out_stride, static_cast<const float*>(q),
                           q_stride, token_rows, static_cast<const float*>(k_cache),
-                          static_cast<const float*>(v_cache), block_tables, bt_stride, seq_lens,
-                          seq_ids, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                          static_cast<const float*>(v_cache), block_tables, bt_stride, item_lens,
+                          item_bt_rows, num_items, num_heads, num_kv_heads, head_dim, block_size,
                           scale);
   else
-    decode_attention<BF16>(static_cast<uint16_t*>(out), out_stride,
+    paged_attention<BF16>(static_cast<uint16_t*>(out), out_stride,
                            static_cast<const uint16_t*>(q), q_stride, token_rows,
                            static_cast<const uint16_t*>(k_cache),
                            static_cast<const uint16_t*>(v_cache), block_tables, bt_stride,
-                           seq_lens, seq_ids, num_seqs, num_heads, num_kv_heads, head_dim,
+                           item_lens, item_bt_rows, num_items, num_heads, num_kv_heads, head_dim,
                            block_size, scale);
 }
 

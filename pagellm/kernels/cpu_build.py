@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "cpu_attention.cpp"]
 HEADERS = [_HERE / "cpu_common.h"]
-ABI_VERSION = 3
+ABI_VERSION = 5
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 _lock = threading.Lock()

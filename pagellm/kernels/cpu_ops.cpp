@@ -140,6 +140,69 @@ void silu_and_mul(typename C::T* out, const typename C::T* x, int64_t rows, int6
   }
 }
 
+// ---------------------------------------------------------------- argmax of rows
+// out[r] = the first index of the largest value of row r, or of its first NaN (torch.argmax's
+// answer: NaN counts as the largest). One pass over bf16 logits, no float32 copy.
+template <typename C>
+void argmax_rows(int64_t* out, const typename C::T* x, int64_t rows, int64_t cols,
+                 int64_t stride) {
+  using T = typename C::T;
+#pragma omp parallel for if (rows * cols > 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * stride;
+    int64_t i = 0, best = 0;
+    float best_v = -INFINITY;
+    bool nan = false;
+#if defined(__AVX512F__)
+    if (cols >= 16) {
+      __m512 vmax = _mm512_set1_ps(-INFINITY);
+      __m512i vidx = _mm512_setzero_si512(), cur = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8,
+                                                                      9, 10, 11, 12, 13, 14, 15);
+      __mmask16 unordered = 0;
+      const __m512i step = _mm512_set1_epi32(16);
+      for (; i + 16 <= cols; i += 16) {
+        const __m512 v = load16(xr + i);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);  // strict: first wins
+        vmax = _mm512_mask_mov_ps(vmax, gt, v);
+        vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
+        cur = _mm512_add_epi32(cur, step);
+      }
+      nan = unordered != 0;
+      alignas(64) float mv[16];
+      alignas(64) int32_t mi[16];
+      _mm512_store_ps(mv, vmax);
+      _mm512_store_si512(mi, vidx);
+      best_v = mv[0];
+      best = mi[0];
+      for (int l = 1; l < 16; ++l)
+        if (mv[l] > best_v || (mv[l] == best_v && mi[l] < best)) {
+          best_v = mv[l];
+          best = mi[l];
+        }
+    }
+#endif
+    for (; i < cols && !nan; ++i) {
+      const float v = C::load(xr[i]);
+      if (v != v) nan = true;
+      else if (v > best_v) {
+        best_v = v;
+        best = i;
+      }
+    }
+    if (nan) {
+      for (int64_t j = 0; j < cols; ++j) {
+        const float v = C::load(xr[j]);
+        if (v != v) {
+          best = j;
+          break;
+        }
+      }
+    }
+    out[r] = best;
+  }
+}
+
 }  // namespace
 }  // namespace pagellm
 
@@ -147,7 +210,7 @@ using namespace pagellm;
 
 extern "C" {
 
-int pagellm_abi_version() { return 3; }
+int pagellm_abi_version() { return 5; }
 
 // dtype codes: 0 = float32, 1 = bfloat16
 void pagellm_rms_norm(int dtype, void* out, void* residual_out, const void* x,
@@ -181,6 +244,14 @@ void pagellm_silu_and_mul(int dtype, void* out, const void* x, int64_t rows, int
     silu_and_mul<F32>(static_cast<float*>(out), static_cast<const float*>(x), rows, d);
   else
     silu_and_mul<BF16>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x), rows, d);
+}
+
+void pagellm_argmax_rows(int dtype, int64_t* out, const void* x, int64_t rows, int64_t cols,
+                         int64_t stride) {
+  if (dtype == 0)
+    argmax_rows<F32>(out, static_cast<const float*>(x), rows, cols, stride);
+  else
+    argmax_rows<BF16>(out, static_cast<const uint16_t*>(x), rows, cols, stride);
 }
 
 }  // extern "C"

@@ -16,7 +16,7 @@ from pagellm.kernels import cpu_build
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _SIGNATURES = {
-    "pagellm_decode_attention": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p,
+    "pagellm_paged_attention": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p,
                                  c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_int64,
                                  c_int64, c_int64, c_int64, c_int64, c_float],
     "pagellm_write_kv": [c_int, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_int64,
@@ -26,6 +26,7 @@ _SIGNATURES = {
     "pagellm_rotary": [c_int, c_void_p, c_int64, c_int64, c_void_p, c_int64, c_int64, c_void_p,
                        c_int64, c_void_p, c_void_p, c_int64, c_int64, c_int64],
     "pagellm_silu_and_mul": [c_int, c_void_p, c_void_p, c_int64, c_int64],
+    "pagellm_argmax_rows": [c_int, c_void_p, c_void_p, c_int64, c_int64, c_int64],
 }
 
 _lib: ctypes.CDLL | None = None
@@ -51,10 +52,16 @@ def available() -> bool:
 
 def supports(*tensors: torch.Tensor) -> bool:
     """True when the kernels can run on these tensors (same dtype, CPU, last dim contiguous)."""
+    # Called for every op of every layer: plain attribute checks, no device objects.
+    if not _checked:
+        _library()
     dtype = tensors[0].dtype
-    return dtype in _DTYPE_CODES and all(
-        t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1 for t in tensors
-    ) and _library() is not None
+    if _lib is None or dtype not in _DTYPE_CODES:
+        return False
+    for t in tensors:
+        if t.dtype != dtype or not t.is_cpu or t.stride(-1) != 1:
+            return False
+    return True
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -86,6 +93,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for ``x [rows, cols]`` (rows may be strided): int64 ``[rows]``, the
+    first index of each row's maximum, NaN counting as the maximum, as torch.argmax."""
+    rows, cols = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    _library().pagellm_argmax_rows(_DTYPE_CODES[x.dtype], out.data_ptr(), x.data_ptr(), rows,
+                                   cols, x.stride(0))
+    return out
+
+
 def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
             sin_cache: torch.Tensor, head_dim: int) -> None:
     """Rotate ``q [T, Hq*D]`` and ``k [T, Hk*D]`` in place (rows may be strided views) by
@@ -111,17 +128,23 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                                 slots.data_ptr(), key.shape[0], row)
 
 
-def decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     seq_ids: torch.Tensor, token_rows: torch.Tensor, scale: float) -> None:
-    """Attention of one query token per sequence in ``seq_ids`` (its row ``token_rows``) over
-    its ``seq_lens`` cached tokens, read through ``block_tables``; written into ``out``."""
+def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
+                    bt_rows: torch.Tensor, token_rows: torch.Tensor, scale: float) -> None:
+    """Attention of single query rows over cached K/V: item i is query row ``token_rows[i]``
+    attending to the first ``lens[i]`` tokens of the sequence whose block table is row
+    ``bt_rows[i]`` of ``block_tables``, K/V read in place; written into ``out`` at that row.
+    A decode token is one item; each token of a prefill chunk is one too, its length its own
+    position + 1 (causal), once the chunk's K/V are written."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     assert query.stride(1) == head_dim and out.stride(1) == head_dim
-    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
-    assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
-    _library().pagellm_decode_attention(
+    assert block_tables.dtype == torch.int32 and lens.dtype == torch.int32
+    assert block_tables.stride(1) == 1 and lens.is_contiguous()
+    assert bt_rows.dtype == torch.int64 and token_rows.dtype == torch.int64
+    assert bt_rows.is_contiguous() and token_rows.is_contiguous()
+    assert lens.shape == bt_rows.shape == token_rows.shape
+    _library().pagellm_paged_attention(
         _DTYPE_CODES[query.dtype], out.data_ptr(), out.stride(0), query.data_ptr(),
         query.stride(0), token_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), seq_ids.data_ptr(),
-        seq_ids.shape[0], num_heads, k_cache.shape[-2], head_dim, k_cache.shape[1], scale)
+        block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), bt_rows.data_ptr(),
+        lens.shape[0], num_heads, k_cache.shape[-2], head_dim, k_cache.shape[1], scale)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.sample.argmax import argmax_rows
+
 _NEG_INF = float("-inf")
 
 
@@ -81,4 +83,4 @@ def exponential_sample(probs: torch.Tensor, generators: dict[int, torch.Generato
         noise[row].exponential_(generator=generator)
     # An Exp(1) draw of exactly 0 would give 0/0 = nan on removed tokens, and argmax favors nan.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+    return argmax_rows(probs.div_(noise))

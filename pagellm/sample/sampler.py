@@ -7,11 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.core.sched_output import Logprobs
+from pagellm.sample.argmax import argmax_rows
 from pagellm.sample.filters import apply_min_p, apply_top_k_top_p, exponential_sample
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.penalties import apply_penalties
 
 _NEG_INF = float("-inf")
+
 
 
 @dataclass(slots=True)
@@ -86,7 +88,7 @@ class Sampler:
     @staticmethod
     def greedy(logits: torch.Tensor) -> torch.Tensor:
         """Plain argmax, int64 [B] (warm-up and profiling)."""
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == meta.batch_size
@@ -117,8 +119,8 @@ class Sampler:
     @staticmethod
     def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if meta.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy = None if meta.all_random else logits.argmax(dim=-1)
+            return argmax_rows(logits)
+        greedy = None if meta.all_random else argmax_rows(logits)
 
         temperature = meta.temperature
         if greedy is not None:

@@ -3,7 +3,8 @@
 Decode attention vs a dense float64 attention over random, scattered block tables (every slot
 no sequence owns holds NaN, so a read outside a sequence poisons the result), over head shapes
 that take each code path (register-blocked G x D, the generic accumulator, non-multiple-of-16
-head dims); element-wise kernels vs the plain PyTorch ops they replace, bit for bit in bfloat16.
+head dims); element-wise kernels vs the plain PyTorch ops they replace, bit for bit in bfloat16;
+the row argmax vs torch.argmax (ties, NaN, -inf, strided rows).
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def test_decode_attention_matches_dense(dtype, num_heads, num_kv_heads, head_dim
     scale = 1 / math.sqrt(head_dim)
     out = torch.full_like(query, float("nan"))
     seq_ids = torch.arange(len(lens))
-    cpu_ops.decode_attention(out, query, k_cache, v_cache, tables,
-                             torch.tensor(lens, dtype=torch.int32), seq_ids, seq_ids, scale)
+    cpu_ops.paged_attention(out, query, k_cache, v_cache, tables,
+                            torch.tensor(lens, dtype=torch.int32), seq_ids, seq_ids, scale)
     torch.testing.assert_close(out.double(), _dense_decode(query, keys, values, scale),
                                **TOL[dtype])
 
@@ -95,8 +96,9 @@ def test_decode_attention_subset_rows_and_strides():
     seq_ids = torch.tensor([2, 0], dtype=torch.int64)
     q_view[4], q_view[1] = query[2], query[0]
     out = torch.zeros(6, 4, 64)
-    cpu_ops.decode_attention(out, q_view, k_cache, v_cache, tables,
-                             torch.tensor(lens, dtype=torch.int32), seq_ids, rows, 0.125)
+    cpu_ops.paged_attention(out, q_view, k_cache, v_cache, tables,
+                            torch.tensor([lens[2], lens[0]], dtype=torch.int32), seq_ids, rows,
+                            0.125)
     ref = _dense_decode(query, keys, values, 0.125)
     torch.testing.assert_close(out[4].double(), ref[2], **TOL[torch.float32])
     torch.testing.assert_close(out[1].double(), ref[0], **TOL[torch.float32])
@@ -153,6 +155,28 @@ def test_silu_and_mul_matches_torch(dtype):
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5 if dtype == torch.float32 else 8e-3)
     if dtype == torch.bfloat16:
         assert (out != ref).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [1, 7, 16, 33, 49152])
+def test_argmax_rows_matches_torch(dtype, cols):
+    g = torch.Generator().manual_seed(cols)
+    cases = {
+        "random": torch.randn(6, cols, generator=g),
+        # Few distinct values: ties everywhere, the first maximum must win.
+        "ties": torch.randint(0, 3, (6, cols), generator=g).float(),
+        "all -inf": torch.full((6, cols), float("-inf")),
+    }
+    with_nan = torch.randn(6, cols, generator=g)
+    with_nan[0, -1] = with_nan[3, cols // 2] = with_nan[3, cols - 1] = float("nan")
+    cases["nan"] = with_nan
+    for name, x in cases.items():
+        x = x.to(dtype)
+        assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(dim=-1)), name
+    # Strided rows: the logits of a padded vocabulary are a view.
+    wide = torch.randn(5, cols + 40, generator=g).to(dtype)
+    view = wide[:, :cols]
+    assert torch.equal(cpu_ops.argmax_rows(view), view.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

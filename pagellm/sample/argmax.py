@@ -1,0 +1,16 @@
+"""Row-wise argmax: the greedy token, and the pick of exponential-noise sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.kernels import cpu_ops
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for ``[B, V]`` (first maximum; NaN counts as the maximum). On CPU one
+    vectorized pass: torch's CPU argmax takes ~33 ms for 256 rows of a 49k vocabulary, the C++
+    kernel ~1.5 ms."""
+    if x.dim() == 2 and cpu_ops.supports(x):
+        return cpu_ops.argmax_rows(x)
+    return x.argmax(dim=-1)
