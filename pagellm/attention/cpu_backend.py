@@ -56,7 +56,7 @@ def _plan(meta: AttentionMetadata) -> _StepPlan:
         block_tables = block_tables.to(torch.int32).contiguous()
     plan = _StepPlan(
         meta=meta,
-        token_rows=torch.from_numpy(np.ascontiguousarray(rows)),
+        token_rows=torch.from_numpy(rows),
         lens=torch.from_numpy(lens.astype(np.int32)),
         bt_rows=torch.from_numpy(seq_of_row),
         prefill_seqs=prefill_seqs,

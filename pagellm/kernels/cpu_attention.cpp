@@ -2,9 +2,10 @@
 //
 // Each work item is one query row attending to the first L cached tokens of its sequence: a
 // decode token, or one token of a prefill chunk (L = its position + 1) once the chunk's K/V are
-// in the cache. Decode is bound by reading K/V from memory, so an item reads every cache row (all kv heads of a token, contiguous) once, block by block, with the
-// blocks PF ahead prefetched (blocks are scattered, which defeats the hardware prefetcher at
-// each block edge). Pass 1 computes the scores of all heads for 16 tokens at a time: with AMX
+// in the cache. Decode is bound by reading K/V from memory, so an item reads every cache row
+// (all kv heads of a token, contiguous) once, block by block, with the blocks PF ahead
+// prefetched (blocks are scattered, which defeats the hardware prefetcher at each block edge).
+// Pass 1 computes the scores of all heads for 16 tokens at a time: with AMX
 // (bfloat16, up to 16 heads) as one tile product per (kv head, 32 dims) of the K rows against
 // the query group's transposed rows, else with AVX512-BF16 dot products and a transpose-add
 // tree; pass 2 accumulates V with the accumulators of a kv head's query group held in
@@ -344,7 +345,8 @@ void paged_attention(typename C::T* out, int64_t out_stride, const typename C::T
 #pragma omp parallel
   {
     // Scores: [head][token] on the vector path, [token][16 lanes = heads] on the AMX path.
-    std::vector<float> acc(H * D), scores, inv(16);
+    // inv: one per head, and 16 lanes at once on the AMX path.
+    std::vector<float> acc(H * D), scores, inv(std::max<int64_t>(H, 16));
     std::vector<uint16_t> qt;
 #if defined(PAGELLM_AMX)
     std::unique_ptr<ScoreTiles> tiles;

@@ -68,6 +68,7 @@ def _dense_decode(query, keys, values, scale):
     (8, 1, 128, 32),   # G=8, D=128, blocks of 32 (two 16-token chunks per block)
     (4, 4, 64, 16),    # no GQA
     (16, 1, 64, 16),   # G=16: generic accumulator
+    (32, 8, 64, 16),   # 32 heads: more than one score tile holds, vector path
     (6, 2, 80, 16),    # D=80: multiple of 16 but not register-blocked
     (4, 2, 40, 8),     # D=40: scalar paths, small blocks
 ])
