@@ -15,11 +15,7 @@
 #include <memory>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+#include "cpu_amx.h"
 #include "cpu_common.h"
 
 namespace pagellm {
@@ -195,45 +191,10 @@ float softmax_unnormalized(float* s, int64_t L) {
   return 1.f / sum;
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define PAGELLM_AMX 1
-// Linux hands the AMX tile state only to processes that ask for it (oneDNN asks too).
-bool amx_permitted() {
-  static const bool ok =
-      syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// This thread's tiles, all 16 rows x 64 bytes: 0 = C: scores [16 tokens x 16 heads] float32,
-// 1 = A: K [16 tokens x 32 dims], 2..7 = B: q^T [16 dim pairs x 16 heads x 2] (VNNI) of each
-// (kv head, 32 dims), kept for a whole sequence when they fit (else tile 2, reloaded). The
-// caller's configuration (oneDNN's, or none) is saved and put back.
-class ScoreTiles {
- public:
-  ScoreTiles() {
-    _tile_storeconfig(&saved_);
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-  }
-  ~ScoreTiles() { _tile_loadconfig(&saved_); }
-  ScoreTiles(const ScoreTiles&) = delete;
-  ScoreTiles& operator=(const ScoreTiles&) = delete;
-
- private:
-  TileConfig saved_;
-};
+#if defined(PAGELLM_AMX)
+// This thread's tiles (FullTiles): 0 = C: scores [16 tokens x 16 heads] float32, 1 = A: K [16
+// tokens x 32 dims], 2..7 = B: q^T [16 dim pairs x 16 heads x 2] (VNNI) of each (kv head, 32
+// dims), kept for a whole sequence when they fit (else tile 2, reloaded).
 
 // qt[c][half] (16 x 32 bf16 each) = the VNNI B tile of kv head c's query group for dims
 // [32 half, 32 half + 32): column n holds head n's dim pairs when n is in group c, else 0.
@@ -349,9 +310,9 @@ void paged_attention(typename C::T* out, int64_t out_stride, const typename C::T
     std::vector<float> acc(H * D), scores, inv(std::max<int64_t>(H, 16));
     std::vector<uint16_t> qt;
 #if defined(PAGELLM_AMX)
-    std::unique_ptr<ScoreTiles> tiles;
+    std::unique_ptr<FullTiles> tiles;
     if (amx) {
-      tiles = std::make_unique<ScoreTiles>();
+      tiles = std::make_unique<FullTiles>();
       qt.resize(Hkv * (D / 32) * 512);
     }
 #endif

@@ -27,6 +27,8 @@ _SIGNATURES = {
                        c_int64, c_void_p, c_void_p, c_int64, c_int64, c_int64],
     "pagellm_silu_and_mul": [c_int, c_void_p, c_void_p, c_int64, c_int64],
     "pagellm_argmax_rows": [c_int, c_void_p, c_void_p, c_int64, c_int64, c_int64],
+    "pagellm_linear": [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p, c_int64,
+                       c_int64, c_int64],
 }
 
 _lib: ctypes.CDLL | None = None
@@ -42,6 +44,8 @@ def _library() -> ctypes.CDLL | None:
                 fn = getattr(lib, name)
                 fn.argtypes = argtypes
                 fn.restype = None
+            lib.pagellm_linear_available.restype = c_int
+            lib.pagellm_linear.restype = c_int
         _lib, _checked = lib, True
     return _lib
 
@@ -62,6 +66,33 @@ def supports(*tensors: torch.Tensor) -> bool:
         if t.dtype != dtype or not t.is_cpu or t.stride(-1) != 1:
             return False
     return True
+
+
+def linear_supports(weight: torch.Tensor) -> bool:
+    """Whether ``linear`` can serve this weight: a contiguous CPU bfloat16 ``[N, K]`` with N a
+    multiple of 16 and K of 32, on a CPU whose AMX tiles the process may use."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.is_cpu
+            and not weight.is_mkldnn and weight.is_contiguous()
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
+            and _library() is not None and bool(_lib.pagellm_linear_available()))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in bfloat16 with AMX, the weight read in place (see
+    ``cpu_linear.cpp``); ``weight`` must pass ``linear_supports``, ``x [..., K]`` be bfloat16
+    with unit stride in its last dimension."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+    if bias is not None:
+        bias = bias.contiguous()  # held until the call returns
+    if rows and not _library().pagellm_linear(out.data_ptr(), n, x2.data_ptr(), x2.stride(0),
+                                              weight.data_ptr(), _ptr(bias), rows, n, k):
+        raise RuntimeError("cpu_ops.linear needs AMX (check linear_supports first)")
+    return out
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -13,6 +13,8 @@ from torch import nn
 
 from pagellm.distributed.communication import all_gather, tensor_model_parallel_all_reduce
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
+from pagellm.kernels import cpu_ops
+from pagellm.layers.linear import AMX_LINEAR_MAX_ROWS
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -56,6 +58,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
                  params_dtype: torch.dtype | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, params_dtype)
+        self.amx_max_numel = 0  # hidden states up to this size take cpu_ops.linear
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.num_per_partition, dtype=self.weight.dtype),
                                      requires_grad=False)
@@ -76,19 +79,26 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     @torch.no_grad()
     def prepack_for_cpu_(self) -> bool:
-        """Keep a copy of a CPU bfloat16 weight in oneDNN's blocked layout for the logits
-        matmul (the weight itself stays: a tied embedding still looks rows up in it). Costs one
-        more copy of the LM head; the logits are bit-identical."""
+        """Choose the logits matmul of a CPU bfloat16 weight once: ``cpu_ops.linear`` on the
+        weight as it is where AMX serves it (the rows sampled per step are few), else a copy in
+        oneDNN's blocked layout (the weight itself stays: a tied embedding still looks rows up
+        in it), bit-identical to ``F.linear``. Returns whether anything changed."""
         w = self.weight
         if (w.device.type != "cpu" or w.dtype != torch.bfloat16
                 or not torch.backends.mkldnn.is_available()):
             return False
+        if cpu_ops.linear_supports(w.data) and (self.bias is None
+                                                or self.bias.dtype == torch.bfloat16):
+            self.amx_max_numel = AMX_LINEAR_MAX_ROWS * w.shape[1]
+            return True
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.data)
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         packed = getattr(self, "packed_weight", None)
-        if packed is not None:
+        if 0 < hidden.numel() <= self.amx_max_numel and hidden.dtype == torch.bfloat16:
+            logits = cpu_ops.linear(hidden, self.weight, self.bias)
+        elif packed is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, packed, self.bias, "none", [],
                                                         "")
         else:

@@ -17,10 +17,16 @@ from torch import nn
 
 from pagellm.distributed.communication import all_gather, tensor_model_parallel_all_reduce
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
+from pagellm.kernels import cpu_ops
 
 if TYPE_CHECKING:
     from pagellm.layers.quant_methods import QuantMethod
     from pagellm.layers.quantization import QuantConfig
+
+# Up to this many input rows the AMX kernel beats torch's matmul on a plain bf16 weight
+# (1.5x with one row and the weights in memory, 1.1-1.5x at 64-128 rows, level near 256-320:
+# figures in docs/performance.md); beyond, torch's oneDNN matmul takes over.
+AMX_LINEAR_MAX_ROWS = 256
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -55,6 +61,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.quant_method: QuantMethod | None = None  # set by quantize_
+        self.amx_max_numel = 0  # inputs up to this size take cpu_ops.linear (prepack_for_cpu_)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
@@ -62,6 +69,8 @@ class LinearBase(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is None:
+            if 0 < x.numel() <= self.amx_max_numel and x.dtype == torch.bfloat16:
+                return cpu_ops.linear(x, self.weight, bias)
             if self.weight.is_mkldnn:
                 return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
             return F.linear(x, self.weight, bias)
@@ -69,11 +78,14 @@ class LinearBase(nn.Module):
 
     @torch.no_grad()
     def prepack_for_cpu_(self) -> bool:
-        """Reorder a CPU bfloat16 weight once into oneDNN's blocked layout, so each matmul skips
-        the per-call reorder (1.1-1.6x faster bf16 matmuls at the batch sizes decode and prefill
-        use; results are bit-identical to ``F.linear``, which runs the same oneDNN kernel).
-        float32 is left alone: MKL's sgemm is as fast as oneDNN there. After this the weight is
-        an opaque mkldnn tensor (same numel and dtype) and can no longer be loaded or quantized.
+        """Choose the matmul of a CPU bfloat16 weight, once, after loading. With AMX (and the
+        kernels built): ``cpu_ops.linear`` for up to ``AMX_LINEAR_MAX_ROWS`` input rows, on the
+        weight as it is, and torch's matmul beyond (where oneDNN's per-call reorder of the plain
+        weight costs little next to the product). Without: the weight is reordered once into
+        oneDNN's blocked layout (1.1-1.6x faster than ``F.linear`` at decode and prefill sizes,
+        bit-identical to it); it is then an opaque mkldnn tensor that can no longer be loaded or
+        quantized. float32 is left alone: MKL's sgemm is as fast as oneDNN there. Returns
+        whether anything changed.
         """
         if self.quant_method is not None:  # quantized layers have no float weight left
             return False
@@ -81,6 +93,10 @@ class LinearBase(nn.Module):
         if (w.is_mkldnn or w.device.type != "cpu"
                 or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()):
             return False
+        if cpu_ops.linear_supports(w.data) and (self.bias is None
+                                                or self.bias.dtype == torch.bfloat16):
+            self.amx_max_numel = AMX_LINEAR_MAX_ROWS * w.shape[1]
+            return True
         self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.data),
                                    requires_grad=False)
         return True

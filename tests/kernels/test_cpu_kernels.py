@@ -4,7 +4,8 @@ Decode attention vs a dense float64 attention over random, scattered block table
 no sequence owns holds NaN, so a read outside a sequence poisons the result), over head shapes
 that take each code path (register-blocked G x D, the generic accumulator, non-multiple-of-16
 head dims); element-wise kernels vs the plain PyTorch ops they replace, bit for bit in bfloat16;
-the row argmax vs torch.argmax (ties, NaN, -inf, strided rows).
+the row argmax vs torch.argmax (ties, NaN, -inf, strided rows); the AMX linear vs a float64
+matmul, and the layers' choice of matmul after loading.
 """
 
 from __future__ import annotations
@@ -225,23 +226,88 @@ def test_disabled_or_unbuildable_kernels_fall_back(tmp_path):
     assert "torch.Size([3, 8])" in broken.stdout
 
 
-def test_prepacked_bf16_linears_are_bit_identical():
+needs_amx_linear = pytest.mark.skipif(
+    not cpu_ops.linear_supports(torch.empty(16, 32, dtype=torch.bfloat16)),
+    reason="no AMX tiles on this CPU (or not granted)")
+
+
+def _close_to_float64(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                      bias: torch.Tensor | None) -> None:
+    """``out`` is ``x @ w.T + bias`` from bfloat16 inputs, summed in float32, rounded once."""
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    # float32 sums of K products (~K * 2^-24 relative each) plus one bfloat16 rounding (2^-9).
+    scale = (x.double().abs() @ w.double().abs().T).max().item()
+    err = (out.double() - ref).abs()
+    assert (err <= ref.abs() * 2**-8 + scale * 1e-5).all(), err.max().item()
+
+
+@needs_amx_linear
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 31, 33, 64, 300])
+@pytest.mark.parametrize("n,k,bias", [(16, 32, False), (48, 64, True), (960, 576, False),
+                                      (80, 1536, True)])
+def test_amx_linear_matches_float64(rows, n, k, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    # Rows strided inside a wider tensor, and NaN beside them: a read past a row poisons.
+    wide = torch.full((rows, k + 32), float("nan"), dtype=torch.bfloat16)
+    wide[:, :k] = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    x = wide[:, :k]
+    out = cpu_ops.linear(x, w, b)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    _close_to_float64(out, x, w, b)
+    # As close to the float64 result as torch's own bfloat16 matmul, give or take a rounding.
+    ours = (out.double() - (x.double() @ w.double().T + (0 if b is None else b.double())))
+    torchs = (F.linear(x, w, b).double() - (x.double() @ w.double().T
+                                            + (0 if b is None else b.double())))
+    assert ours.abs().mean() <= 1.5 * torchs.abs().mean() + 1e-6
+
+
+@needs_amx_linear
+def test_amx_linear_keeps_leading_dims_and_empty_input():
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    out = cpu_ops.linear(x, w, None)
+    assert out.shape == (2, 3, 32)
+    _close_to_float64(out.reshape(6, 32), x.reshape(6, 64), w, None)
+    assert cpu_ops.linear(x[:0], w, None).shape == (0, 3, 32)
+
+
+def test_cpu_matmul_choice_after_loading():
+    """bf16 layers AMX can serve keep their plain weight and use the kernel up to
+    AMX_LINEAR_MAX_ROWS rows (torch's matmul, bit for bit, beyond); the others get oneDNN's
+    prepacked weight, bit-identical to F.linear; float32 stays on MKL."""
     from pagellm.layers.embedding import ParallelLMHead
-    from pagellm.layers.linear import MergedColumnParallelLinear, prepack_linears_for_cpu
+    from pagellm.layers.linear import (
+        AMX_LINEAR_MAX_ROWS,
+        MergedColumnParallelLinear,
+        prepack_linears_for_cpu,
+    )
 
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({
         "mlp": MergedColumnParallelLinear(64, [96, 96], bias=True, params_dtype=torch.bfloat16),
+        "odd": MergedColumnParallelLinear(64, [20, 20], bias=False, params_dtype=torch.bfloat16),
         "head": ParallelLMHead(300, 64, params_dtype=torch.bfloat16),
         "fp32": MergedColumnParallelLinear(64, [32, 32], bias=False),
     })
     for p in model.parameters():
         torch.nn.init.normal_(p)
-    x = torch.randn(7, 64).to(torch.bfloat16)
-    before = (model["mlp"](x), model["head"].compute_logits(x),
-              model["fp32"](x.float()))
-    assert prepack_linears_for_cpu(model) == 2  # bf16 only; float32 stays on MKL
-    assert model["mlp"].weight.is_mkldnn and not model["fp32"].weight.is_mkldnn
-    after = (model["mlp"](x), model["head"].compute_logits(x), model["fp32"](x.float()))
-    for a, b in zip(before, after, strict=True):
-        assert torch.equal(a, b)
+    few = torch.randn(7, 64).to(torch.bfloat16)
+    many = torch.randn(AMX_LINEAR_MAX_ROWS + 1, 64).to(torch.bfloat16)
+    before = {name: [m.compute_logits(x) if name == "head" else m(x.float() if name == "fp32"
+                                                                   else x)
+                     for x in (few, many)] for name, m in model.items()}
+    assert prepack_linears_for_cpu(model) == 3  # bf16 only; float32 stays on MKL
+    amx = cpu_ops.linear_supports(model["mlp"].weight)
+    assert model["mlp"].weight.is_mkldnn != amx
+    assert model["odd"].weight.is_mkldnn  # 40 outputs: not whole 16-column blocks
+    assert not model["fp32"].weight.is_mkldnn
+    for name, m in model.items():
+        for x, b in zip((few, many), before[name], strict=True):
+            a = m.compute_logits(x) if name == "head" else m(x.float() if name == "fp32" else x)
+            if name == "mlp" and amx and x is few:
+                w = model["mlp"].weight
+                _close_to_float64(a, x, w, model["mlp"].bias)
+            else:
+                assert torch.equal(a, b), name
