@@ -43,7 +43,8 @@ class _StepPlan:
 _last_plan: list[_StepPlan] = []
 
 
-def _plan(meta: AttentionMetadata) -> _StepPlan:
+def plan_step(meta: AttentionMetadata) -> _StepPlan:
+    """The step's plan, built by the first layer that asks and shared by the others."""
     if _last_plan and _last_plan[0].meta is meta:
         return _last_plan[0]
     starts = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
@@ -83,7 +84,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return super().forward(query, key, value, k_cache, v_cache, meta)
         cpu_ops.write_kv(key[:n], value[:n], k_cache, v_cache, meta.slot_mapping[:n])
         out = torch.empty((query.shape[0], self.num_heads, self.head_dim), dtype=query.dtype)
-        plan = _plan(meta)
+        plan = plan_step(meta)
         if plan.lens.numel():
             cpu_ops.paged_attention(out, query, k_cache, v_cache, plan.block_tables, plan.lens,
                                     plan.bt_rows, plan.token_rows, self.scale)

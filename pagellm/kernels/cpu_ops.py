@@ -29,7 +29,32 @@ _SIGNATURES = {
     "pagellm_argmax_rows": [c_int, c_void_p, c_void_p, c_int64, c_int64, c_int64],
     "pagellm_linear": [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p, c_int64,
                        c_int64, c_int64],
+    "pagellm_llama_decode": [c_void_p, c_int64, c_void_p, c_void_p],
 }
+
+class LlamaLayer(ctypes.Structure):
+    """One decoder layer's tensors for ``llama_decode`` (``PagellmLlamaLayer``)."""
+
+    _fields_ = [(name, c_void_p) for name in (
+        "input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
+        "down", "down_bias", "k_cache", "v_cache")]
+
+
+class LlamaShape(ctypes.Structure):
+    _fields_ = [*((name, c_int64) for name in (
+        "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "rot_dim", "max_pos",
+        "block_size")), ("eps", c_float), ("scale", c_float)]
+
+
+class DecodeStep(ctypes.Structure):
+    _fields_ = [("num_tokens", c_int64),
+                *((name, c_void_p) for name in (
+                    "hidden", "residual", "normed", "qkv", "attn", "gate_up", "act", "positions",
+                    "slots", "cos_cache", "sin_cache", "block_tables")),
+                ("bt_stride", c_int64),
+                *((name, c_void_p) for name in ("lens", "bt_rows", "token_rows")),
+                ("num_items", c_int64), ("final_norm", c_void_p)]
+
 
 _lib: ctypes.CDLL | None = None
 _checked = False
@@ -46,6 +71,7 @@ def _library() -> ctypes.CDLL | None:
                 fn.restype = None
             lib.pagellm_linear_available.restype = c_int
             lib.pagellm_linear.restype = c_int
+            lib.pagellm_llama_decode.restype = c_int
         _lib, _checked = lib, True
     return _lib
 
@@ -93,6 +119,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
                                               weight.data_ptr(), _ptr(bias), rows, n, k):
         raise RuntimeError("cpu_ops.linear needs AMX (check linear_supports first)")
     return out
+
+
+def llama_decode(layers: ctypes.Array, shape: LlamaShape, step: DecodeStep) -> None:
+    """Every decoder layer and the final norm for one decode-only step (``cpu_decoder.cpp``);
+    ``step.hidden`` holds the embeddings before and the final hidden states after."""
+    if not _library().pagellm_llama_decode(ctypes.byref(layers), len(layers),
+                                           ctypes.byref(shape), ctypes.byref(step)):
+        raise RuntimeError("cpu_ops.llama_decode needs AMX (check linear_supports first)")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -1,0 +1,119 @@
+// A decode step through every decoder layer of a Llama-style model in one call (bfloat16).
+//
+// With few tokens per step the model's own work is small next to the Python around each op
+// (a dozen module calls and kernel wrappers per layer, ~200 us a layer at batch 1). This runs the
+// same kernels in the same order as the modules do (RMSNorm + residual, QKV projection, rotary,
+// K/V write, paged attention, output projection, RMSNorm + residual, gate/up projection,
+// SiLU-and-mul, down projection; the final norm), so its results are bit-identical to theirs;
+// the caller only sends decode-only steps whose every projection the AMX linear serves.
+#include <cstdint>
+#include <cstring>
+
+extern "C" {
+void pagellm_rms_norm(int dtype, void* out, void* residual_out, const void* x,
+                      const void* residual, const void* weight, int64_t rows, int64_t hidden,
+                      float eps);
+int pagellm_linear(void* y, int64_t ldy, const void* x, int64_t lda, const void* w,
+                   const void* bias, int64_t M, int64_t N, int64_t K);
+void pagellm_rotary(int dtype, void* q, int64_t q_stride, int64_t num_q_heads, void* k,
+                    int64_t k_stride, int64_t num_k_heads, const int64_t* positions,
+                    int64_t num_tokens, const float* cos_cache, const float* sin_cache,
+                    int64_t max_pos, int64_t head_dim, int64_t rot);
+void pagellm_write_kv(int dtype, void* k_cache, void* v_cache, const void* key, int64_t k_stride,
+                      const void* value, int64_t v_stride, const int64_t* slots,
+                      int64_t num_tokens, int64_t row);
+void pagellm_paged_attention(int dtype, void* out, int64_t out_stride, const void* q,
+                             int64_t q_stride, const int64_t* token_rows, const void* k_cache,
+                             const void* v_cache, const int32_t* block_tables, int64_t bt_stride,
+                             const int32_t* item_lens, const int64_t* item_bt_rows,
+                             int64_t num_items, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, float scale);
+void pagellm_silu_and_mul(int dtype, void* out, const void* x, int64_t rows, int64_t d);
+
+// One layer's tensors (biases may be null).
+struct PagellmLlamaLayer {
+  const void* input_norm;
+  const void* qkv;
+  const void* qkv_bias;
+  const void* o;
+  const void* o_bias;
+  const void* post_norm;
+  const void* gate_up;
+  const void* gate_up_bias;
+  const void* down;
+  const void* down_bias;
+  void* k_cache;
+  void* v_cache;
+};
+
+struct PagellmLlamaShape {
+  int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+  int64_t rot_dim, max_pos, block_size;
+  float eps, scale;
+};
+
+// One step: `hidden` [T, hidden] holds the embeddings and gets the final normed states; the
+// other buffers are scratch of their natural shapes. Attention items as the CPU backend plans
+// them (one per decode token).
+struct PagellmDecodeStep {
+  int64_t num_tokens;
+  void* hidden;
+  void* residual;
+  void* normed;
+  void* qkv;
+  void* attn;
+  void* gate_up;
+  void* act;
+  const int64_t* positions;
+  const int64_t* slots;
+  const float* cos_cache;
+  const float* sin_cache;
+  const int32_t* block_tables;
+  int64_t bt_stride;
+  const int32_t* lens;
+  const int64_t* bt_rows;
+  const int64_t* token_rows;
+  int64_t num_items;
+  const void* final_norm;
+};
+
+// Returns 0 (with the caches possibly written) only where the AMX linear is unavailable; the
+// caller checks pagellm_linear_available() first.
+int pagellm_llama_decode(const PagellmLlamaLayer* layers, int64_t num_layers,
+                         const PagellmLlamaShape* shape, const PagellmDecodeStep* step) {
+  const PagellmLlamaShape& d = *shape;
+  const PagellmDecodeStep& s = *step;
+  const int64_t T = s.num_tokens, H = d.hidden, D = d.head_dim;
+  const int64_t q = d.num_heads * D, kv = d.num_kv_heads * D, qkv_w = q + 2 * kv;
+  const int64_t I = d.intermediate;
+  auto* hidden = static_cast<uint16_t*>(s.hidden);
+  auto* residual = static_cast<uint16_t*>(s.residual);
+  auto* normed = static_cast<uint16_t*>(s.normed);
+  auto* qkv = static_cast<uint16_t*>(s.qkv);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const PagellmLlamaLayer& w = layers[l];
+    if (l == 0) {
+      std::memcpy(residual, hidden, T * H * sizeof(uint16_t));
+      pagellm_rms_norm(1, normed, nullptr, hidden, nullptr, w.input_norm, T, H, d.eps);
+    } else {
+      pagellm_rms_norm(1, normed, residual, hidden, residual, w.input_norm, T, H, d.eps);
+    }
+    if (!pagellm_linear(qkv, qkv_w, normed, H, w.qkv, w.qkv_bias, T, qkv_w, H)) return 0;
+    pagellm_rotary(1, qkv, qkv_w, d.num_heads, qkv + q, qkv_w, d.num_kv_heads, s.positions, T,
+                   s.cos_cache, s.sin_cache, d.max_pos, D, d.rot_dim);
+    pagellm_write_kv(1, w.k_cache, w.v_cache, qkv + q, qkv_w, qkv + q + kv, qkv_w, s.slots, T,
+                     kv);
+    pagellm_paged_attention(1, s.attn, q, qkv, qkv_w, s.token_rows, w.k_cache, w.v_cache,
+                            s.block_tables, s.bt_stride, s.lens, s.bt_rows, s.num_items,
+                            d.num_heads, d.num_kv_heads, D, d.block_size, d.scale);
+    pagellm_linear(hidden, H, s.attn, q, w.o, w.o_bias, T, H, q);
+    pagellm_rms_norm(1, normed, residual, hidden, residual, w.post_norm, T, H, d.eps);
+    pagellm_linear(s.gate_up, 2 * I, normed, H, w.gate_up, w.gate_up_bias, T, 2 * I, H);
+    pagellm_silu_and_mul(1, s.act, s.gate_up, T, I);
+    pagellm_linear(hidden, H, s.act, I, w.down, w.down_bias, T, H, I);
+  }
+  pagellm_rms_norm(1, hidden, residual, hidden, residual, s.final_norm, T, H, d.eps);
+  return 1;
+}
+
+}  // extern "C"

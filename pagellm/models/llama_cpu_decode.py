@@ -1,0 +1,173 @@
+"""Decode-only steps of a Llama-style model on CPU as one kernel call (``cpu_ops.llama_decode``).
+
+At batch 1 the Python around each op (module calls, kernel wrappers, allocations: ~200 us a
+layer) cost as much as reading the weights. For a decode-only step of up to
+``AMX_LINEAR_MAX_ROWS`` tokens the C++ side runs the layers' own kernels in the modules' order,
+so the hidden states are bit-identical to the module path, which every other step still takes
+(prefill chunks, other devices and dtypes, quantized or sharded layers, subclassed layers).
+``PAGELLM_FUSED_DECODE=0`` turns it off (``PAGELLM_CPU_KERNELS=0`` does too).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+from torch import nn
+
+from pagellm.attention.cpu_backend import CpuAttentionBackend, plan_step
+from pagellm.forward_context import get_forward_context
+from pagellm.kernels import cpu_ops
+from pagellm.layers.activation import SiluAndMul
+from pagellm.layers.linear import AMX_LINEAR_MAX_ROWS, LinearBase
+from pagellm.layers.norm import RMSNorm
+from pagellm.layers.rotary import RotaryEmbedding
+from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+
+logger = logging.getLogger(__name__)
+
+
+def fused_decode_enabled() -> bool:
+    return os.environ.get("PAGELLM_FUSED_DECODE", "1").lower() not in ("0", "false", "no", "off")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _amx_linear(m: LinearBase) -> bool:
+    bias = m.bias
+    return (m.quant_method is None and m.amx_max_numel > 0 and m.tp_size == 1
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())))
+
+
+def _plain(cls: type, obj: object) -> bool:
+    """``obj`` runs ``cls``'s own forward (a subclass may change what a layer computes)."""
+    return isinstance(obj, cls) and type(obj).forward is cls.forward
+
+
+class LlamaCpuDecode:
+    """The kernel call's fixed arguments for one ``LlamaModel``; ``run`` takes a step."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        first = model.layers[0]
+        attn = first.self_attn.attn
+        rotary = first.self_attn.rotary_emb
+        self.rotary = rotary
+        self.eps = model.norm.eps
+        self.shape = cpu_ops.LlamaShape(
+            hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            intermediate=first.mlp.down_proj.weight.shape[1], rot_dim=2 * rotary.cos_cache.shape[1],
+            max_pos=rotary.cos_cache.shape[0], block_size=0, eps=self.eps, scale=attn.scale)
+        self._kv_caches: list | None = None
+        self._layers: ctypes.Array | None = None
+
+    @classmethod
+    def build(cls, model: LlamaModel) -> LlamaCpuDecode | None:
+        """The fused path for ``model``, or None where any layer is not one it reproduces."""
+        if not (fused_decode_enabled() and _plain(LlamaModel, model) and len(model.layers)
+                and _plain(RMSNorm, model.norm) and model.norm.weight.dtype == torch.bfloat16):
+            return None
+        first = model.layers[0].self_attn
+        attn0 = first.attn
+        for layer in model.layers:
+            sa, mlp = layer.self_attn, layer.mlp
+            attn = sa.attn
+            ok = (_plain(LlamaDecoderLayer, layer) and _plain(LlamaAttention, sa)
+                  and _plain(LlamaMLP, mlp) and _plain(SiluAndMul, mlp.act_fn)
+                  and all(_amx_linear(m) for m in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj,
+                                                   mlp.down_proj))
+                  and all(_plain(RMSNorm, n) and n.eps == model.norm.eps
+                          and n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous()
+                          for n in (layer.input_layernorm, layer.post_attention_layernorm))
+                  and sa.rotary_emb is first.rotary_emb and _plain(RotaryEmbedding, sa.rotary_emb)
+                  and isinstance(attn.get_backend(torch.device("cpu")), CpuAttentionBackend)
+                  and (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+                  == (attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, attn0.scale))
+            if not ok:
+                return None
+        for table in (first.rotary_emb.cos_cache, first.rotary_emb.sin_cache):
+            if not (table.dtype == torch.float32 and table.is_cpu and table.is_contiguous()):
+                return None
+        return cls(model)
+
+    def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Point the layer table at these caches (rebuilt when the runner's list changes)."""
+        if kv_caches is self._kv_caches:
+            return self._layers is not None
+        self._kv_caches, self._layers = kv_caches, None
+        layers = self.model.layers
+        if len(kv_caches) < len(layers):
+            return False
+        table = (cpu_ops.LlamaLayer * len(layers))()
+        for i, layer in enumerate(layers):
+            k, v = kv_caches[layer.self_attn.attn.layer_idx]
+            if not (k.dtype == v.dtype == torch.bfloat16 and k.is_cpu and k.is_contiguous()
+                    and v.is_contiguous() and k.shape[-2:] == (self.shape.num_kv_heads,
+                                                               self.shape.head_dim)):
+                return False
+            sa, mlp = layer.self_attn, layer.mlp
+            table[i] = cpu_ops.LlamaLayer(
+                input_norm=_ptr(layer.input_layernorm.weight), qkv=_ptr(sa.qkv_proj.weight),
+                qkv_bias=_ptr(sa.qkv_proj.bias), o=_ptr(sa.o_proj.weight),
+                o_bias=_ptr(sa.o_proj.bias), post_norm=_ptr(layer.post_attention_layernorm.weight),
+                gate_up=_ptr(mlp.gate_up_proj.weight), gate_up_bias=_ptr(mlp.gate_up_proj.bias),
+                down=_ptr(mlp.down_proj.weight), down_bias=_ptr(mlp.down_proj.bias),
+                k_cache=_ptr(k), v_cache=_ptr(v))
+            self.shape.block_size = k.shape[1]
+        self._layers = table
+        return True
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The final hidden states of a decode-only step (``hidden``: its embeddings, reused),
+        or None when this step is not one the fused path takes."""
+        ctx = get_forward_context()
+        meta = ctx.attn_metadata
+        num_tokens = hidden.shape[0]
+        if (meta is None or not meta.is_decode_only or num_tokens != meta.num_tokens
+                or not 0 < num_tokens <= AMX_LINEAR_MAX_ROWS or hidden.dtype != torch.bfloat16
+                or not hidden.is_contiguous() or not self._layer_table(ctx.kv_caches)):
+            return None
+        plan = plan_step(meta)
+        if plan.lens.numel() != num_tokens:
+            return None
+        s = self.shape
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+
+        def scratch(width: int) -> torch.Tensor:
+            return torch.empty((num_tokens, width), dtype=torch.bfloat16)
+
+        residual, normed = scratch(s.hidden), scratch(s.hidden)
+        qkv, attn = scratch(q_size + 2 * kv_size), scratch(q_size)
+        gate_up, act = scratch(2 * s.intermediate), scratch(s.intermediate)
+        positions = positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping[:num_tokens].to(torch.int64).contiguous()
+        tables = plan.block_tables
+        step = cpu_ops.DecodeStep(
+            num_tokens=num_tokens, hidden=hidden.data_ptr(), residual=residual.data_ptr(),
+            normed=normed.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
+            gate_up=gate_up.data_ptr(), act=act.data_ptr(), positions=positions.data_ptr(),
+            slots=slots.data_ptr(), cos_cache=self.rotary.cos_cache.data_ptr(),
+            sin_cache=self.rotary.sin_cache.data_ptr(), block_tables=tables.data_ptr(),
+            bt_stride=tables.stride(0), lens=plan.lens.data_ptr(),
+            bt_rows=plan.bt_rows.data_ptr(), token_rows=plan.token_rows.data_ptr(),
+            num_items=num_tokens, final_norm=self.model.norm.weight.data_ptr())
+        cpu_ops.llama_decode(self._layers, s, step)
+        return hidden
+
+
+def enable_fused_cpu_decode(model: nn.Module) -> int:
+    """Give every ``LlamaModel`` in ``model`` its fused decode path where it qualifies (after
+    the linears chose their matmul: ``prepack_linears_for_cpu``); returns how many did."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, LlamaModel):
+            m.cpu_decode = LlamaCpuDecode.build(m)
+            count += m.cpu_decode is not None
+    if count:
+        logger.info("Fused CPU decode enabled for %d model(s)", count)
+    return count
