@@ -104,7 +104,8 @@ class TorchAttentionBackend(AttentionBackend):
         # Shared by every layer: layers run one after another and each consumes its gathered
         # K/V before the next one gathers.
         buffers = _WORKSPACE
-        key = (slot, like.dtype, like.device)
+        # A buffer made under inference mode cannot be written outside it (tests mix both).
+        key = (slot, like.dtype, like.device, torch.is_inference_mode_enabled())
         buf = buffers.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(max(numel, int(1.25 * (buf.numel() if buf is not None else 0))),

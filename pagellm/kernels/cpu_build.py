@@ -1,5 +1,5 @@
 """Build (once) and load the CPU kernels (``cpu_ops.cpp``, ``cpu_attention.cpp``,
-``cpu_linear.cpp``, ``cpu_decoder.cpp``).
+``cpu_linear.cpp``, ``cpu_decoder.cpp``, ``cpu_prefill.cpp``).
 
 The library is compiled with the machine's C++ compiler the first time it is needed (about 3 s)
 and cached under ``$PAGELLM_CACHE_DIR/kernels`` (default ``~/.cache/pagellm/kernels``), keyed by
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "cpu_attention.cpp", _HERE / "cpu_linear.cpp",
-           _HERE / "cpu_decoder.cpp"]
+           _HERE / "cpu_decoder.cpp", _HERE / "cpu_prefill.cpp"]
 HEADERS = [_HERE / "cpu_common.h", _HERE / "cpu_amx.h"]
 ABI_VERSION = 7
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]

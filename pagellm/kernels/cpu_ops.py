@@ -30,6 +30,10 @@ _SIGNATURES = {
     "pagellm_linear": [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p, c_int64,
                        c_int64, c_int64],
     "pagellm_llama_decode": [c_void_p, c_int64, c_void_p, c_void_p],
+    "pagellm_prefill_attention": [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p,
+                                  c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p,
+                                  c_void_p, c_int64, c_int64, c_int64, c_int64, c_float],
+    "pagellm_prefill_attention_supported": [c_int64],
 }
 
 class LlamaLayer(ctypes.Structure):
@@ -72,6 +76,8 @@ def _library() -> ctypes.CDLL | None:
             lib.pagellm_linear_available.restype = c_int
             lib.pagellm_linear.restype = c_int
             lib.pagellm_llama_decode.restype = c_int
+            lib.pagellm_prefill_attention.restype = c_int
+            lib.pagellm_prefill_attention_supported.restype = c_int
         _lib, _checked = lib, True
     return _lib
 
@@ -127,6 +133,39 @@ def llama_decode(layers: ctypes.Array, shape: LlamaShape, step: DecodeStep) -> N
     if not _library().pagellm_llama_decode(ctypes.byref(layers), len(layers),
                                            ctypes.byref(shape), ctypes.byref(step)):
         raise RuntimeError("cpu_ops.llama_decode needs AMX (check linear_supports first)")
+
+
+def prefill_attention_supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether ``prefill_attention`` takes these: bfloat16 on a CPU with AMX, head_dim a
+    multiple of 32 up to 256, unit-stride heads."""
+    return (query.dtype == k_cache.dtype == torch.bfloat16 and query.is_cpu
+            and query.stride(-1) == 1 and query.stride(1) == query.shape[2]
+            and k_cache.is_contiguous() and _library() is not None
+            and bool(_lib.pagellm_prefill_attention_supported(query.shape[2])))
+
+
+def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, block_tables: torch.Tensor, q_rows: torch.Tensor,
+                      q_lens: torch.Tensor, ctx_lens: torch.Tensor, bt_rows: torch.Tensor,
+                      scale: float) -> None:
+    """Causal attention of prefill chunks over the cache (``cpu_prefill.cpp``): sequence i's
+    rows ``[q_rows[i], q_rows[i] + q_lens[i])`` of ``query [T, H, D]`` are the last ``q_lens[i]``
+    of its ``ctx_lens[i]`` cached tokens (K/V written), block-table row ``bt_rows[i]``; results
+    go to the same rows of ``out``. Check ``prefill_attention_supports`` first."""
+    assert out.stride(1) == out.shape[2] and out.stride(2) == 1
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+    assert q_lens.dtype == ctx_lens.dtype == torch.int32
+    assert q_rows.dtype == bt_rows.dtype == torch.int64
+    for t in (q_rows, q_lens, ctx_lens, bt_rows):
+        assert t.is_contiguous() and t.shape == q_rows.shape
+    if not _library().pagellm_prefill_attention(
+            out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0), k_cache.data_ptr(),
+            v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            q_rows.shape[0], q_rows.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(),
+            bt_rows.data_ptr(), query.shape[1], k_cache.shape[-2], query.shape[2],
+            k_cache.shape[1], scale):
+        raise RuntimeError("cpu_ops.prefill_attention needs AMX (check "
+                           "prefill_attention_supports first)")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -107,6 +107,58 @@ def test_decode_attention_subset_rows_and_strides():
     assert out[[0, 2, 3, 5]].abs().sum() == 0  # untouched rows
 
 
+needs_amx_prefill = pytest.mark.skipif(
+    not cpu_ops.prefill_attention_supports(torch.empty(1, 1, 64, dtype=torch.bfloat16),
+                                           torch.empty(1, 16, 1, 64, dtype=torch.bfloat16)),
+    reason="no AMX tiles on this CPU (or not granted)")
+
+
+@needs_amx_prefill
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),    # the default model
+    (4, 4, 32, 16),    # no GQA, one 32-dim half
+    (8, 1, 128, 32),   # G=8, two 16-token halves per block
+    (4, 2, 96, 16),    # D=96: P.V over 6 dim blocks (a group of 4, then 2)
+])
+def test_prefill_attention_matches_dense(num_heads, num_kv_heads, head_dim, block_size):
+    """Chunks with and without cached context, lengths off every tile edge, attended causally
+    over scattered blocks (NaN in every slot no sequence owns), against float64."""
+    # (tokens cached in all, of which this chunk's new rows)
+    cases = [(37, 37), (300, 45), (16, 16), (70, 1), (129, 129), (5, 3), (33, 32)]
+    ctx = [c for c, _ in cases]
+    query_all, keys, values, k_cache, v_cache, tables = _decode_case(
+        ctx, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=5)
+    g = torch.Generator().manual_seed(9)
+    total = sum(n for _, n in cases)
+    # Rows strided in a wider projection, the sequences' rows in a shuffled order.
+    wide = torch.randn(total, num_heads * head_dim + 64, generator=g).to(torch.bfloat16)
+    query = wide[:, : num_heads * head_dim].view(total, num_heads, head_dim)
+    order = [4, 0, 6, 2, 5, 1, 3]
+    starts, row = {}, 0
+    for i in order:
+        starts[i] = row
+        row += cases[i][1]
+    out = torch.full((total, num_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    scale = 1 / math.sqrt(head_dim)
+    idx = list(range(len(cases)))
+    cpu_ops.prefill_attention(
+        out, query, k_cache, v_cache, tables,
+        torch.tensor([starts[i] for i in idx], dtype=torch.int64),
+        torch.tensor([n for _, n in cases], dtype=torch.int32),
+        torch.tensor(ctx, dtype=torch.int32), torch.tensor(idx, dtype=torch.int64), scale)
+    group = num_heads // num_kv_heads
+    for i, (c, n) in enumerate(cases):
+        q = query[starts[i] : starts[i] + n].double()
+        k, v = keys[i].double(), values[i].double()
+        for h in range(num_heads):
+            s = q[:, h] @ k[:, h // group].T * scale
+            pos = torch.arange(c - n, c)[:, None]
+            s = s.masked_fill(torch.arange(c)[None, :] > pos, float("-inf"))
+            ref = torch.softmax(s, -1) @ v[:, h // group]
+            torch.testing.assert_close(out[starts[i] : starts[i] + n, h].double(), ref,
+                                       atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_strided_rows(dtype):
     qkv = torch.randn(5, 3 * 2 * 16).to(dtype)
