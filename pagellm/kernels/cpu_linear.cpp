@@ -10,7 +10,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -131,11 +130,10 @@ void amx_rows(uint16_t* y, int64_t ldy, const uint16_t* w, const uint16_t* xv,
     const uint16_t* wb = w + nb * 16 * K;
     for (int64_t g = 0; g < G; g += 2) {
       const bool pair = g + 1 < G;
-      // Prefetch the next weight block during the last row pair of this one.
-      static const int pfd = getenv("PFD") ? atoi(getenv("PFD")) : 1;
-      const bool last = pfd > 0 && g + 2 >= G && nb + 2 * pfd < nb1;
-      const char* next = last ? reinterpret_cast<const char*>(wb + 32 * pfd * K) : nullptr;
-      const int64_t next_bytes = last ? std::min<int64_t>(nb1 - nb - 2 * pfd, 2) * 16 * K * 2 : 0;
+      // Prefetch the next pair of weight blocks during the last row pair of this one.
+      const bool last = g + 2 >= G && nb + 2 < nb1;
+      const char* next = last ? reinterpret_cast<const char*>(wb + 32 * K) : nullptr;
+      const int64_t next_bytes = last ? std::min<int64_t>(nb1 - nb - 2, 2) * 16 * K * 2 : 0;
       const uint16_t* xg = xv + g * KB * kTile;
       if (two) {
         if (pair) amx_block<2, 2>(c, wb, K, xg, KB, next, next_bytes);
