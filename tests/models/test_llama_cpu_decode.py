@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_harness import PagedHarness
 
 from pagellm.kernels import cpu_ops
 from pagellm.layers.linear import AMX_LINEAR_MAX_ROWS, prepack_linears_for_cpu
 from pagellm.models.llama_cpu_decode import enable_fused_cpu_decode
 from pagellm.models.loader import build_model, load_hf_config, resolve_model_source
-from tests.models.paged_harness import PagedHarness
 
 pytestmark = pytest.mark.skipif(
     not cpu_ops.linear_supports(torch.empty(16, 32, dtype=torch.bfloat16)),
