@@ -42,18 +42,16 @@ inline const uint16_t* cache_row(const uint16_t* cache, const int32_t* bt, int64
 // K of keys [k0, k0 + 16) as D/32 tiles [16 dim pairs][16 keys][2]; keys at or past ctx are 0.
 void pack_k(uint16_t* dst, const uint16_t* k_cache, const int32_t* bt, int64_t k0, int64_t ctx,
             int64_t block_size, int64_t Hkv, int64_t D, int64_t h) {
+  __m512i r[16];
   for (int64_t half = 0; half < D / 32; ++half) {
-    uint32_t* tile = reinterpret_cast<uint32_t*>(dst + half * kTile);
     for (int64_t n = 0; n < 16; ++n) {
       const int64_t tok = k0 + n;
-      if (tok < ctx) {
-        const uint32_t* src = reinterpret_cast<const uint32_t*>(
-            cache_row(k_cache, bt, tok, block_size, Hkv, D, h) + half * 32);
-        for (int r = 0; r < 16; ++r) tile[r * 16 + n] = src[r];
-      } else {
-        for (int r = 0; r < 16; ++r) tile[r * 16 + n] = 0;
-      }
+      r[n] = tok < ctx ? _mm512_loadu_si512(cache_row(k_cache, bt, tok, block_size, Hkv, D, h) +
+                                            half * 32)
+                       : _mm512_setzero_si512();
     }
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + half * kTile + i * 32, r[i]);
   }
 }
 
