@@ -122,7 +122,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if bias is not None:
         bias = bias.contiguous()  # held until the call returns
     if rows and not _library().pagellm_linear(out.data_ptr(), n, x2.data_ptr(), x2.stride(0),
-                                              weight.data_ptr(), _ptr(bias), rows, n, k):
+                                              weight.data_ptr(), ptr(bias), rows, n, k):
         raise RuntimeError("cpu_ops.linear needs AMX (check linear_supports first)")
     return out
 
@@ -168,7 +168,8 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Ten
                            "prefill_attention_supports first)")
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def ptr(t: torch.Tensor | None) -> int | None:
+    """``t.data_ptr()``, or None (a null pointer) for None."""
     return None if t is None else t.data_ptr()
 
 
@@ -182,8 +183,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         residual = residual.contiguous()
         res_out = torch.empty_like(x)
-    _library().pagellm_rms_norm(_DTYPE_CODES[x.dtype], out.data_ptr(), _ptr(res_out),
-                                x.data_ptr(), _ptr(residual), weight.contiguous().data_ptr(),
+    _library().pagellm_rms_norm(_DTYPE_CODES[x.dtype], out.data_ptr(), ptr(res_out),
+                                x.data_ptr(), ptr(residual), weight.contiguous().data_ptr(),
                                 x.numel() // hidden, hidden, eps)
     return out, res_out
 

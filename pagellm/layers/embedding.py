@@ -14,7 +14,7 @@ from torch import nn
 from pagellm.distributed.communication import all_gather, tensor_model_parallel_all_reduce
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagellm.kernels import cpu_ops
-from pagellm.layers.linear import AMX_LINEAR_MAX_ROWS
+from pagellm.layers.linear import amx_max_numel
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -87,9 +87,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         if (w.device.type != "cpu" or w.dtype != torch.bfloat16
                 or not torch.backends.mkldnn.is_available()):
             return False
-        if cpu_ops.linear_supports(w.data) and (self.bias is None
-                                                or self.bias.dtype == torch.bfloat16):
-            self.amx_max_numel = AMX_LINEAR_MAX_ROWS * w.shape[1]
+        self.amx_max_numel = amx_max_numel(w.data, self.bias)
+        if self.amx_max_numel:
             return True
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.data)
         return True

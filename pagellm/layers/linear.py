@@ -29,6 +29,14 @@ if TYPE_CHECKING:
 AMX_LINEAR_MAX_ROWS = 256
 
 
+def amx_max_numel(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """The largest input (elements) ``cpu_ops.linear`` takes for this weight: 0 where it
+    cannot serve it (see ``cpu_ops.linear_supports``; a bias must be bfloat16 too)."""
+    if cpu_ops.linear_supports(weight) and (bias is None or bias.dtype == torch.bfloat16):
+        return AMX_LINEAR_MAX_ROWS * weight.shape[1]
+    return 0
+
+
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator != 0:
         raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size "
@@ -93,9 +101,8 @@ class LinearBase(nn.Module):
         if (w.is_mkldnn or w.device.type != "cpu"
                 or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()):
             return False
-        if cpu_ops.linear_supports(w.data) and (self.bias is None
-                                                or self.bias.dtype == torch.bfloat16):
-            self.amx_max_numel = AMX_LINEAR_MAX_ROWS * w.shape[1]
+        self.amx_max_numel = amx_max_numel(w.data, self.bias)
+        if self.amx_max_numel:
             return True
         self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.data),
                                    requires_grad=False)

@@ -20,6 +20,7 @@ from torch import nn
 from pagellm.attention.cpu_backend import CpuAttentionBackend, plan_step
 from pagellm.forward_context import get_forward_context
 from pagellm.kernels import cpu_ops
+from pagellm.kernels.cpu_ops import ptr
 from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.linear import AMX_LINEAR_MAX_ROWS, LinearBase
 from pagellm.layers.norm import RMSNorm
@@ -33,14 +34,10 @@ def fused_decode_enabled() -> bool:
     return os.environ.get("PAGELLM_FUSED_DECODE", "1").lower() not in ("0", "false", "no", "off")
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def _amx_linear(m: LinearBase) -> bool:
-    bias = m.bias
+    # amx_max_numel > 0: the weight (and a bias, if any) passed cpu_ops.linear's checks.
     return (m.quant_method is None and m.amx_max_numel > 0 and m.tp_size == 1
-            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())))
+            and (m.bias is None or m.bias.is_contiguous()))
 
 
 def _plain(cls: type, obj: object) -> bool:
@@ -57,12 +54,11 @@ class LlamaCpuDecode:
         attn = first.self_attn.attn
         rotary = first.self_attn.rotary_emb
         self.rotary = rotary
-        self.eps = model.norm.eps
         self.shape = cpu_ops.LlamaShape(
             hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=first.mlp.down_proj.weight.shape[1], rot_dim=2 * rotary.cos_cache.shape[1],
-            max_pos=rotary.cos_cache.shape[0], block_size=0, eps=self.eps, scale=attn.scale)
+            max_pos=rotary.cos_cache.shape[0], block_size=0, eps=model.norm.eps, scale=attn.scale)
         self._kv_caches: list | None = None
         self._layers: ctypes.Array | None = None
 
@@ -112,12 +108,12 @@ class LlamaCpuDecode:
                 return False
             sa, mlp = layer.self_attn, layer.mlp
             table[i] = cpu_ops.LlamaLayer(
-                input_norm=_ptr(layer.input_layernorm.weight), qkv=_ptr(sa.qkv_proj.weight),
-                qkv_bias=_ptr(sa.qkv_proj.bias), o=_ptr(sa.o_proj.weight),
-                o_bias=_ptr(sa.o_proj.bias), post_norm=_ptr(layer.post_attention_layernorm.weight),
-                gate_up=_ptr(mlp.gate_up_proj.weight), gate_up_bias=_ptr(mlp.gate_up_proj.bias),
-                down=_ptr(mlp.down_proj.weight), down_bias=_ptr(mlp.down_proj.bias),
-                k_cache=_ptr(k), v_cache=_ptr(v))
+                input_norm=ptr(layer.input_layernorm.weight), qkv=ptr(sa.qkv_proj.weight),
+                qkv_bias=ptr(sa.qkv_proj.bias), o=ptr(sa.o_proj.weight),
+                o_bias=ptr(sa.o_proj.bias), post_norm=ptr(layer.post_attention_layernorm.weight),
+                gate_up=ptr(mlp.gate_up_proj.weight), gate_up_bias=ptr(mlp.gate_up_proj.bias),
+                down=ptr(mlp.down_proj.weight), down_bias=ptr(mlp.down_proj.bias),
+                k_cache=ptr(k), v_cache=ptr(v))
             self.shape.block_size = k.shape[1]
         self._layers = table
         return True
