@@ -82,6 +82,12 @@ def plan_step(meta: AttentionMetadata) -> _StepPlan:
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
+    @classmethod
+    def needs_zeroed_blocks(cls, dtype: torch.dtype) -> bool:
+        # The kernels read only the slots below each sequence's length, and the SDPA paths
+        # slice to it; only the torch fallback (no kernels for this dtype) gathers padding.
+        return not (cpu_ops.available() and cpu_ops.dtype_supported(dtype))
+
     def forward(
         self,
         query: torch.Tensor,

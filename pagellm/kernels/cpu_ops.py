@@ -86,6 +86,11 @@ def available() -> bool:
     return _library() is not None
 
 
+def dtype_supported(dtype: torch.dtype) -> bool:
+    """Whether the kernels take tensors of this dtype (float32 and bfloat16)."""
+    return dtype in _DTYPE_CODES
+
+
 def supports(*tensors: torch.Tensor) -> bool:
     """True when the kernels can run on these tensors (same dtype, CPU, last dim contiguous)."""
     # Called for every op of every layer: plain attribute checks, no device objects.

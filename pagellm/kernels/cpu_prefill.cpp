@@ -89,8 +89,9 @@ void attend_block(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t 
   alignas(64) uint16_t pb[16 * 32];
   alignas(64) float pv[16 * 64];
   std::vector<float> o(16 * D);
-  alignas(64) float m[16], l[16], alpha[16];  // m: running row maxima (scaled scores)
-  const __m512 vscale = _mm512_set1_ps(scale);
+  alignas(64) float m[16], l[16], alpha[16];  // m: running row maxima (unscaled scores)
+  const float c = scale * 1.44269504088896341f;
+  const __m512 vc = _mm512_set1_ps(c);
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t g = 0; g < G; ++g) {
     const int64_t head = h * G + g;
@@ -122,35 +123,42 @@ void attend_block(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t 
       }
       _tile_stored(0, sc, 128);
       _tile_stored(1, sc + 16, 128);
-      // Online softmax per row; keys past a row's position are masked. Row maxima first, so
-      // the 16 rescale factors are one vector exp.
+      // Online softmax per row, in base 2 with the scale folded in (p = 2^(s c - m c), c =
+      // scale log2 e; the row maxima m are kept unscaled). Keys past a row's position are
+      // masked; only steps reaching past the block's first row need masks at all.
+      const bool full = k0 + 31 <= first_pos + r0;
       __mmask16 mask0[16], mask1[16];
       alignas(64) float mx[16];
       for (int64_t r = 0; r < 16; ++r) {
-        const int64_t pos = first_pos + r0 + std::min(r, rows - 1);
-        // Keys of this step the row sees: none for an early row of a block on the diagonal
-        // (its maximum is then already finite: key 0 is visible to every row at step 0).
-        const int64_t visible = std::clamp<int64_t>(pos - k0 + 1, 0, 32);
-        mask0[r] = visible >= 16 ? 0xFFFF : (__mmask16)((1u << visible) - 1);
-        mask1[r] = visible >= 32 ? 0xFFFF
-                   : visible <= 16 ? 0 : (__mmask16)((1u << (visible - 16)) - 1);
-        const __m512 s0 = _mm512_mask_mul_ps(neg_inf, mask0[r], _mm512_loadu_ps(sc + r * 32), vscale);
-        const __m512 s1 =
-            _mm512_mask_mul_ps(neg_inf, mask1[r], _mm512_loadu_ps(sc + r * 32 + 16), vscale);
-        _mm512_storeu_ps(sc + r * 32, s0);
-        _mm512_storeu_ps(sc + r * 32 + 16, s1);
+        __m512 s0 = _mm512_loadu_ps(sc + r * 32), s1 = _mm512_loadu_ps(sc + r * 32 + 16);
+        if (!full) {
+          const int64_t pos = first_pos + r0 + std::min(r, rows - 1);
+          // Keys of this step the row sees: none for an early row of a block on the diagonal
+          // (its maximum is then already finite: key 0 is visible to every row at step 0).
+          const int64_t visible = std::clamp<int64_t>(pos - k0 + 1, 0, 32);
+          mask0[r] = visible >= 16 ? 0xFFFF : (__mmask16)((1u << visible) - 1);
+          mask1[r] = visible >= 32 ? 0xFFFF
+                     : visible <= 16 ? 0 : (__mmask16)((1u << (visible - 16)) - 1);
+          s0 = _mm512_mask_mov_ps(neg_inf, mask0[r], s0);
+          s1 = _mm512_mask_mov_ps(neg_inf, mask1[r], s1);
+          _mm512_storeu_ps(sc + r * 32, s0);
+          _mm512_storeu_ps(sc + r * 32 + 16, s1);
+        }
         mx[r] = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
       }
-      // exp(-inf - mx) is exp16's clamp, ~1e-38: the first step's o and l are 0 anyway.
+      // 2^(-inf) is exp2_16's clamp, 2^-125: the first step's o and l are 0 anyway.
       const __m512 vmx = _mm512_load_ps(mx);
-      _mm512_store_ps(alpha, exp16(_mm512_sub_ps(_mm512_load_ps(m), vmx)));
+      _mm512_store_ps(alpha, exp2_16(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(m), vmx), vc)));
       _mm512_store_ps(m, vmx);
       for (int64_t r = 0; r < 16; ++r) {
-        const __m512 rm = _mm512_set1_ps(mx[r]);
-        const __m512 p0 =
-            _mm512_maskz_mov_ps(mask0[r], exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + r * 32), rm)));
-        const __m512 p1 = _mm512_maskz_mov_ps(
-            mask1[r], exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + r * 32 + 16), rm)));
+        const __m512 rm = _mm512_set1_ps(mx[r] * c);
+        // Masked scores are -inf: 2^(-inf) clamps to 2^-125, zeroed by the masks below.
+        __m512 p0 = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sc + r * 32), vc, rm));
+        __m512 p1 = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sc + r * 32 + 16), vc, rm));
+        if (!full) {
+          p0 = _mm512_maskz_mov_ps(mask0[r], p0);
+          p1 = _mm512_maskz_mov_ps(mask1[r], p1);
+        }
         l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
         _mm256_storeu_si256((__m256i*)(pb + r * 32), to_bf16x16(p0));
         _mm256_storeu_si256((__m256i*)(pb + r * 32 + 16), to_bf16x16(p1));

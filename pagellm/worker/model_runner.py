@@ -44,6 +44,10 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.vocab_size = config.model.vocab_size
         registry.set_default_backend(config.device.attention_backend)
+        # Whether new blocks are zeroed (and attention told padding reads 0): only for
+        # backends that gather whole blocks.
+        self.zero_new_blocks = registry.get_attn_backend_cls(
+            None, self.device).needs_zeroed_blocks(self.dtype)
         torch.manual_seed(config.model.seed)
         # Tensor parallelism: every rank runs the forward; only rank 0 samples (see _sample).
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -142,7 +146,8 @@ class ModelRunner:
             state = batch.requests[req_id]
             batch.append_blocks(state, block_ids)
             state.num_computed_tokens = num_computed
-        self._zero_new_blocks(so)
+        if self.zero_new_blocks:
+            self._zero_new_blocks(so)
 
     def _zero_new_blocks(self, so: SchedulerOutput) -> None:
         """Zero blocks handed out this step (not prefix-cache hits), so every slot a request has
@@ -206,7 +211,7 @@ class ModelRunner:
             max_query_len=int(num_sched.max()), max_seq_len=max_seq_len,
             query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist(),
             is_decode_only=bool((num_sched == 1).all()),
-            padding_is_zero=True,
+            padding_is_zero=self.zero_new_blocks,
         )
         ids = torch.from_numpy(input_ids).to(dev, non_blocking=True)
         pos = torch.from_numpy(positions).to(dev, non_blocking=True)

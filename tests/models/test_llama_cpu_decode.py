@@ -9,6 +9,7 @@ import pytest
 import torch
 from paged_harness import PagedHarness
 
+from pagellm.attention import registry
 from pagellm.kernels import cpu_ops
 from pagellm.layers.linear import AMX_LINEAR_MAX_ROWS, prepack_linears_for_cpu
 from pagellm.models.llama_cpu_decode import enable_fused_cpu_decode
@@ -20,6 +21,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def _bf16_model(tiny_model_dir, arch: str) -> torch.nn.Module:
+    # An engine built by an earlier test (e.g. --attention-backend torch) leaves its choice as
+    # the process-wide default; these layers must resolve the CPU backend.
+    registry.set_default_backend("auto")
     src = resolve_model_source(str(tiny_model_dir(arch)))
     model = build_model(load_hf_config(src), src, torch.bfloat16, torch.device("cpu"))
     prepack_linears_for_cpu(model)
