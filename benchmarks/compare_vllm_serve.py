@@ -13,6 +13,11 @@ same client, prompts and seeds. Writes DIR/pagellm.json, DIR/vllm.json, DIR/swee
 servers on one figure) and DIR/compare.json, and prints the ratios (pagellm / vLLM: below 1 is
 pagellm faster). Start-up is not timed. Check /proc/loadavg < 0.5 first; any other busy process
 makes the figures meaningless. Unknown flags go to ``pagellm serve``.
+
+``--repeats N`` (N >= 2) interleaves instead, for machines whose speed drifts between minutes:
+both servers are started (each idles at ~1% CPU while the other runs), then every rate is run N
+times per server, alternating which goes first; each reported percentile is the median over the
+N runs, and the ratios of each back-to-back pair are printed too.
 """
 
 from __future__ import annotations
@@ -110,6 +115,60 @@ def run_sweep(ns: argparse.Namespace, server: Server, label: str, out_json: Path
     return sweep
 
 
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def combine_runs(runs: list[dict]) -> dict:
+    """One rate's repeated runs as one: every latency percentile and throughput the median over
+    the runs; sustained if most runs were."""
+    out = dict(runs[0])
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
+        out[key] = {stat: _median([r[key][stat] for r in runs]) for stat in runs[0][key]}
+    for key in ("duration_s", "request_throughput", "output_throughput", "total_token_throughput"):
+        out[key] = _median([r[key] for r in runs])
+    out["sustained"] = sum(bool(r.get("sustained")) for r in runs) * 2 > len(runs)
+    out["repeats"] = len(runs)
+    out.pop("sustained_detail", None)
+    return out
+
+
+def run_interleaved(ns: argparse.Namespace, servers: dict[str, Server], out: Path) -> dict:
+    """Every rate ns.repeats times per server, back to back, alternating the order; returns
+    {label: sweep} with per-rate medians (combine_runs) and writes them to out/<label>.json."""
+    runs_dir = out / "runs"
+    runs_dir.mkdir(exist_ok=True)
+    rates = [r for r in ns.rates.split(",") if r]
+    runs: dict[str, dict[str, list[dict]]] = {label: {r: [] for r in rates} for label in servers}
+    labels = list(servers)
+    for rep in range(ns.repeats):
+        for rate in rates:
+            for label in labels if rep % 2 == 0 else labels[::-1]:
+                one = argparse.Namespace(**{**vars(ns), "rates": rate})
+                sweep = run_sweep(one, servers[label], label,
+                                  runs_dir / f"{label}_rate{rate}_rep{rep}.json", [])
+                runs[label][rate].append(sweep["runs"][0])
+    sweeps = {}
+    for label in labels:
+        combined = [combine_runs(runs[label][r]) for r in rates]
+        sustained = [c["request_rate"] for c in combined if c["sustained"]]
+        sweeps[label] = {"label": label, "repeats": ns.repeats, "runs": combined,
+                         "max_sustained_rate": max(sustained) if sustained else None,
+                         "startup_s": servers[label].startup_s}
+    pairs = ["pagellm / vLLM-CPU of each back-to-back pair (TTFT p50, TPOT p50):"]
+    for rate in rates:
+        cells = []
+        for a, b in zip(runs["pagellm"][rate], runs["vllm-cpu"][rate], strict=True):
+            cells.append(f"{a['ttft_ms']['median'] / b['ttft_ms']['median']:.2f}/"
+                         f"{a['tpot_ms']['median'] / b['tpot_ms']['median']:.2f}")
+        pairs.append(f"  rate {rate}: " + "  ".join(cells))
+    print("\n".join(pairs), flush=True)
+    sweeps["pairs"] = pairs[1:]
+    return sweeps
+
+
 def ratio_table(ours: dict, theirs: dict) -> tuple[str, list[dict]]:
     """Per rate in both sweeps: pagellm / vLLM for p50/p99 TTFT and TPOT, and who sustained."""
     by_rate = {str(r["request_rate"]): r for r in theirs["runs"]}
@@ -161,7 +220,66 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     ap.add_argument("--vllm-arg", action="append", default=[],
                     help="extra flag for vLLM's server, e.g. --vllm-arg=--max-num-seqs=64")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds per server")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="N >= 2: both servers up, each rate N times per server, interleaved; "
+                    "medians reported")
     return ap.parse_known_args(argv)
+
+
+def pagellm_server(ns: argparse.Namespace, serve_extra: list[str], out: Path) -> Server:
+    # Model sizes as in benchmarks/compare_vllm.py: 2048 context, 4 GiB of KV for both.
+    return Server("pagellm", [sys.executable, "-m", "pagellm.entrypoints.cli", "serve",
+                              "--dtype", ns.dtype, "--max-model-len", str(ns.max_model_len),
+                              "--kv-cache-memory", "4GiB", *serve_extra,
+                              "--port", str(free_port())],
+                  out / "pagellm_server.log", timeout_s=ns.start_timeout)
+
+
+def vllm_server(ns: argparse.Namespace, out: Path) -> Server:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from compare_vllm import default_hf_dir
+
+    hf_dir = ns.hf_dir or default_hf_dir()
+    # Prefix caching off as in pagellm's default (the sweep's random prompts share nothing
+    # anyway); same dtype and context length.
+    return Server("vllm-cpu", [ns.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+                               "--model", hf_dir, "--dtype", ns.dtype, "--max-model-len",
+                               str(ns.max_model_len), "--no-enable-prefix-caching",
+                               *ns.vllm_arg, "--host", "127.0.0.1", "--port", str(free_port())],
+                  out / "vllm_server.log", env=VLLM_ENV, timeout_s=ns.start_timeout)
+
+
+def main_interleaved(ns: argparse.Namespace, serve_extra: list[str], out: Path,
+                     load: float) -> int:
+    servers: dict[str, Server] = {}
+    try:
+        servers["pagellm"] = pagellm_server(ns, serve_extra, out)
+        servers["vllm-cpu"] = vllm_server(ns, out)
+        sweeps = run_interleaved(ns, servers, out)
+    finally:
+        for server in servers.values():
+            server.stop()
+    paths = {"pagellm": out / "pagellm.json", "vllm-cpu": out / "vllm.json"}
+    for label, path in paths.items():
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(sweeps[label], f, indent=2)
+    png = out / "sweep.png"
+    subprocess.run([sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "serve",
+                    "--plot-only", "--plot", str(png), "--plot-compare",
+                    str(paths["pagellm"]), str(paths["vllm-cpu"])], cwd=REPO, check=True)
+    table, rows = ratio_table(sweeps["pagellm"], sweeps["vllm-cpu"])
+    print(f"medians of {ns.repeats} interleaved runs per rate and server")
+    print(table)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_at_start": load,
+              "dtype": ns.dtype, "rates": ns.rates, "repeats": ns.repeats,
+              "pagellm": str(paths["pagellm"]), "vllm": str(paths["vllm-cpu"]),
+              "ratios": rows, "pairs": sweeps["pairs"],
+              "max_sustained_rate": {"pagellm": sweeps["pagellm"]["max_sustained_rate"],
+                                     "vllm": sweeps["vllm-cpu"]["max_sustained_rate"]}}
+    with open(out / "compare.json", "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}/: pagellm.json, vllm.json, sweep.png, compare.json, runs/")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,14 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     ours_json, theirs_json, png = out / "pagellm.json", out / "vllm.json", out / "sweep.png"
     if ns.skip_vllm and ns.skip_pagellm:
         raise SystemExit("error: --skip-vllm and --skip-pagellm leave nothing to run")
+    if ns.repeats > 1:
+        if ns.skip_vllm or ns.skip_pagellm:
+            raise SystemExit("error: --repeats interleaves both servers; drop --skip-*")
+        return main_interleaved(ns, serve_extra, out, load)
     ours = None
     if not ns.skip_pagellm:
-        # Model sizes as in benchmarks/compare_vllm.py: 2048 context, 4 GiB of KV for both.
-        server = Server("pagellm", [sys.executable, "-m", "pagellm.entrypoints.cli", "serve",
-                                    "--dtype", ns.dtype, "--max-model-len",
-                                    str(ns.max_model_len), "--kv-cache-memory", "4GiB",
-                                    *serve_extra, "--port", str(free_port())],
-                        out / "pagellm_server.log", timeout_s=ns.start_timeout)
+        server = pagellm_server(ns, serve_extra, out)
         try:
             ours = run_sweep(ns, server, "pagellm", ours_json,
                              [] if not ns.skip_vllm else ["--plot", str(png)])
@@ -195,17 +312,7 @@ def main(argv: list[str] | None = None) -> int:
               "dtype": ns.dtype, "rates": ns.rates,
               "pagellm": str(ours_json) if ours is not None else None}
     if not ns.skip_vllm:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from compare_vllm import default_hf_dir
-
-        hf_dir = ns.hf_dir or default_hf_dir()
-        # Prefix caching off as in pagellm's default (the sweep's random prompts share nothing
-        # anyway); same dtype and context length.
-        vllm = Server("vllm-cpu", [ns.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-                                   "--model", hf_dir, "--dtype", ns.dtype, "--max-model-len",
-                                   str(ns.max_model_len), "--no-enable-prefix-caching",
-                                   *ns.vllm_arg, "--host", "127.0.0.1", "--port", str(free_port())],
-                      out / "vllm_server.log", env=VLLM_ENV, timeout_s=ns.start_timeout)
+        vllm = vllm_server(ns, out)
         try:
             theirs = run_sweep(ns, vllm, "vllm-cpu", theirs_json, ["--plot", str(png)] + (
                 ["--plot-compare", str(ours_json)] if ours is not None else []))
