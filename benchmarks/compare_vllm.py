@@ -1,7 +1,8 @@
 """Run pagellm and vLLM's CPU build back to back on one workload and print the ratios.
 
 usage: python benchmarks/compare_vllm.py WORKLOAD.jsonl [--dtype bfloat16] [--vllm-python PATH]
-       [--hf-dir DIR] [--skip-vllm] [--output-json FILE] [pagellm bench throughput flags...]
+       [--hf-dir DIR] [--skip-vllm] [--repeats N] [--output-json FILE]
+       [pagellm bench throughput flags...]
 
 The workload is a JSONL of {"prompt_token_ids": [...], "max_tokens": N} (see
 ../shared/bench/workload.py); every request is generated in full (ignore_eos), greedy, all
@@ -86,6 +87,8 @@ def main() -> int:
     ap.add_argument("--hf-dir", default=None)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="N back-to-back pairs, alternating which engine goes first")
     # Any other flag goes to `pagellm bench throughput` (e.g. --max-num-batched-tokens 4096).
     ns, extra = ap.parse_known_args()
     with open("/proc/loadavg") as f:
@@ -93,20 +96,40 @@ def main() -> int:
     print(f"load average at start: {load:.2f}" + ("  (NOT idle: figures unreliable)"
                                                   if load > 0.5 else ""))
     t = time.time()
-    ours = run_pagellm(ns.workload, ns.dtype, extra)
-    print(f"pagellm  {ns.dtype}: {ours['elapsed_s']:.1f} s, {ours['total_tokens_per_s']:.0f} "
-          f"total tok/s, {ours['output_tokens_per_s']:.0f} output tok/s "
-          f"(start-up {ours['startup_s']:.1f} s)")
-    result = {"date": time.strftime("%Y-%m-%d", time.localtime(t)), "load_at_start": load,
-              "dtype": ns.dtype, "pagellm": ours}
-    if not ns.skip_vllm:
-        theirs = run_vllm(ns.workload, ns.dtype, ns.vllm_python, ns.hf_dir or default_hf_dir())
-        print(f"vLLM-CPU {ns.dtype}: {theirs['elapsed_s']:.1f} s, "
-              f"{theirs['total_tokens_per_s']:.0f} total tok/s, "
-              f"{theirs['output_tokens_per_s']:.0f} output tok/s")
-        ratio = ours["total_tokens_per_s"] / theirs["total_tokens_per_s"]
-        print(f"pagellm / vLLM-CPU total tokens/s: {ratio:.2f}x")
-        result.update(vllm=theirs, ratio_total_tokens_per_s=ratio)
+    result: dict = {"date": time.strftime("%Y-%m-%d", time.localtime(t)), "load_at_start": load,
+                    "dtype": ns.dtype, "runs": []}
+    for rep in range(ns.repeats):
+        # Alternate who goes first, so a drift of the machine's speed favours neither.
+        order = ["pagellm", "vllm"] if rep % 2 == 0 or ns.skip_vllm else ["vllm", "pagellm"]
+        run: dict = {}
+        for engine in order:
+            if engine == "pagellm":
+                ours = run["pagellm"] = run_pagellm(ns.workload, ns.dtype, extra)
+                print(f"pagellm  {ns.dtype}: {ours['elapsed_s']:.1f} s, "
+                      f"{ours['total_tokens_per_s']:.0f} total tok/s, "
+                      f"{ours['output_tokens_per_s']:.0f} output tok/s "
+                      f"(start-up {ours['startup_s']:.1f} s)", flush=True)
+            elif not ns.skip_vllm:
+                theirs = run["vllm"] = run_vllm(ns.workload, ns.dtype, ns.vllm_python,
+                                                ns.hf_dir or default_hf_dir())
+                print(f"vLLM-CPU {ns.dtype}: {theirs['elapsed_s']:.1f} s, "
+                      f"{theirs['total_tokens_per_s']:.0f} total tok/s, "
+                      f"{theirs['output_tokens_per_s']:.0f} output tok/s", flush=True)
+        if "vllm" in run:
+            run["ratio_total_tokens_per_s"] = (run["pagellm"]["total_tokens_per_s"]
+                                               / run["vllm"]["total_tokens_per_s"])
+            print(f"pagellm / vLLM-CPU total tokens/s: {run['ratio_total_tokens_per_s']:.2f}x",
+                  flush=True)
+        result["runs"].append(run)
+    # The first run's figures at the top level (the single-run layout), the medians with more.
+    result.update(result["runs"][0])
+    if ns.repeats > 1 and not ns.skip_vllm:
+        ratios = sorted(r["ratio_total_tokens_per_s"] for r in result["runs"])
+        mid = len(ratios) // 2
+        median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        result["median_ratio_total_tokens_per_s"] = median
+        print(f"median of {ns.repeats} pairs: {median:.2f}x  (pairs: "
+              + ", ".join(f"{r:.2f}" for r in ratios) + ")")
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(result, f, indent=1)
