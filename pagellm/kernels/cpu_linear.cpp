@@ -103,12 +103,17 @@ void amx_rows(uint16_t* y, int64_t ldy, const uint16_t* w, const uint16_t* xv,
   for (int64_t nb = nb0; nb < nb1; nb += 2) {
     const bool two = nb + 1 < nb1;
     const uint16_t* wb = w + nb * 16 * K;
+    // The next pair of weight blocks is prefetched a slice per row pair, spread over all the
+    // row pairs of this one (with many rows, over the last pair alone it would stall).
+    const int64_t next_total = nb + 2 < nb1 ? std::min<int64_t>(nb1 - nb - 2, 2) * 16 * K * 2 : 0;
+    const int64_t npairs = (G + 1) / 2;
+    const int64_t slice = (next_total / 64 + npairs - 1) / npairs * 64;
     for (int64_t g = 0; g < G; g += 2) {
       const bool pair = g + 1 < G;
-      // Prefetch the next pair of weight blocks during the last row pair of this one.
-      const bool last = g + 2 >= G && nb + 2 < nb1;
-      const char* next = last ? reinterpret_cast<const char*>(wb + 32 * K) : nullptr;
-      const int64_t next_bytes = last ? std::min<int64_t>(nb1 - nb - 2, 2) * 16 * K * 2 : 0;
+      const int64_t off = (g / 2) * slice;
+      const char* next = off < next_total ? reinterpret_cast<const char*>(wb + 32 * K) + off
+                                          : nullptr;
+      const int64_t next_bytes = next ? std::min(slice, next_total - off) : 0;
       const uint16_t* xg = xv + g * KB * kTile;
       if (two) {
         if (pair) amx_block<2, 2>(c, wb, K, xg, KB, next, next_bytes);
