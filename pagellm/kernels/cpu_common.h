@@ -61,8 +61,9 @@ inline __m512 exp16(__m512 x) {
 }
 
 // 2^x of 16 floats for softmax weights: a degree-4 polynomial on [-0.5, 0.5] after range
-// reduction, relative error ~3e-6 (far below the bfloat16 rounding the weights get); inputs
-// are clamped to [-125, 127], so -inf gives 2^-125 (a normal float: denormals are slow), never 0 or NaN.
+// reduction, relative error ~3e-6 (far below the bfloat16 rounding the weights get). Inputs
+// are clamped to [-125, 127]: -inf gives 2^-125, a normal float (denormals are slow), never
+// 0 or NaN.
 inline __m512 exp2_16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-125.0f)), _mm512_set1_ps(127.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
