@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -125,8 +126,7 @@ def main() -> int:
     result.update(result["runs"][0])
     if ns.repeats > 1 and not ns.skip_vllm:
         ratios = sorted(r["ratio_total_tokens_per_s"] for r in result["runs"])
-        mid = len(ratios) // 2
-        median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        median = statistics.median(ratios)
         result["median_ratio_total_tokens_per_s"] = median
         print(f"median of {ns.repeats} pairs: {median:.2f}x  (pairs: "
               + ", ".join(f"{r:.2f}" for r in ratios) + ")")

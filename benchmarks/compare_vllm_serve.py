@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -115,20 +116,14 @@ def run_sweep(ns: argparse.Namespace, server: Server, label: str, out_json: Path
     return sweep
 
 
-def _median(values: list[float]) -> float:
-    v = sorted(values)
-    n = len(v)
-    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
-
-
 def combine_runs(runs: list[dict]) -> dict:
     """One rate's repeated runs as one: every latency percentile and throughput the median over
     the runs; sustained if most runs were."""
     out = dict(runs[0])
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
-        out[key] = {stat: _median([r[key][stat] for r in runs]) for stat in runs[0][key]}
+        out[key] = {stat: statistics.median([r[key][stat] for r in runs]) for stat in runs[0][key]}
     for key in ("duration_s", "request_throughput", "output_throughput", "total_token_throughput"):
-        out[key] = _median([r[key] for r in runs])
+        out[key] = statistics.median([r[key] for r in runs])
     out["sustained"] = sum(bool(r.get("sustained")) for r in runs) * 2 > len(runs)
     out["repeats"] = len(runs)
     out.pop("sustained_detail", None)
