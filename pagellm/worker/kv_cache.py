@@ -74,7 +74,8 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int, device: torch.devi
     out (ModelRunner._zero_new_blocks) where the attention backend reads unwritten slots (the
     CPU kernels never do), so the pool itself is left uninitialized. That makes
     allocation instant (a 4 GiB CPU pool took 3.3 s to zero and committed all its pages at once)
-    and memory is touched only as blocks are used.
+    and memory is touched only as blocks are used; the block pool hands freed blocks out again
+    first (BlockPool.free_blocks), so the touched part stays as large as the peak load.
 
     Block ``num_blocks`` is the null block: never handed out, always zero; block tables are
     padded with it, so padded positions read zeros (see ModelRunner._zero_new_blocks).

@@ -67,14 +67,29 @@ def test_alloc_free_refcounts_and_lru_tail_first() -> None:
     assert pool.get_num_free_blocks() == 6 and pool.get_usage() == pytest.approx(0.4)
     b = pool.get_new_blocks(2)
     assert ids(b) == [4, 5]
+    pool.cache_full_blocks(b, [h(1), h(2)], 0, 2)
     pool.free_blocks(reversed(a))  # a request frees tail first
-    assert free_ids(pool) == [6, 7, 8, 9, 3, 2, 1, 0]
+    # a's blocks hold no cached prefix: at the front, handed out before never-used blocks
+    assert free_ids(pool) == [0, 1, 2, 3, 6, 7, 8, 9]
     pool.free_blocks(reversed(b))
-    assert free_ids(pool) == [6, 7, 8, 9, 3, 2, 1, 0, 5, 4]
+    # b's blocks are cached: at the back (least recently freed evicted first, tail first)
+    assert free_ids(pool) == [0, 1, 2, 3, 6, 7, 8, 9, 5, 4]
     pool.check_invariants()
-    # never-used blocks first, then the oldest freed, tail blocks before head blocks
-    assert ids(pool.get_new_blocks(6)) == [6, 7, 8, 9, 3, 2]
+    assert ids(pool.get_new_blocks(9)) == [0, 1, 2, 3, 6, 7, 8, 9, 5]
+    assert pool.get_cached_block(h(2)) is None and pool.get_cached_block(h(1)) is b[0]
     pool.check_invariants()
+
+
+def test_freed_blocks_are_reused_first_so_the_working_set_stays_small() -> None:
+    for caching in (False, True):
+        pool = BlockPool(100, enable_caching=caching)
+        used = set()
+        for _ in range(50):  # requests of 3 blocks, one at a time
+            blocks = pool.get_new_blocks(3)
+            used |= set(ids(blocks))
+            pool.free_blocks(reversed(blocks))
+        assert used == {0, 1, 2}
+        pool.check_invariants()
 
 
 def test_shared_block_freed_only_at_last_reference() -> None:
@@ -85,7 +100,7 @@ def test_shared_block_freed_only_at_last_reference() -> None:
     pool.free_blocks([blk])
     assert blk.ref_cnt == 1 and pool.get_num_free_blocks() == 3
     pool.free_blocks([blk])
-    assert blk.ref_cnt == 0 and free_ids(pool)[-1] == blk.block_id
+    assert blk.ref_cnt == 0 and free_ids(pool)[0] == blk.block_id
     with pytest.raises(AssertionError):
         pool.free_blocks([blk])
 
@@ -98,14 +113,15 @@ def test_cache_touch_and_lazy_eviction() -> None:
     assert pool.get_cached_block(h(11)) is blocks[1]
     assert blocks[2].block_hash is None
     pool.free_blocks(reversed(blocks))
-    assert free_ids(pool) == [3, 2, 1, 0]
+    # the unhashed block 2 first (nothing to keep), the cached ones after the never-used 3
+    assert free_ids(pool) == [2, 3, 1, 0]
     # freed blocks stay cached; a hit revives block 1 from the middle of the queue
     assert pool.get_cached_block(h(11)) is blocks[1]
     pool.touch([blocks[1]])
-    assert blocks[1].ref_cnt == 1 and free_ids(pool) == [3, 2, 0]
+    assert blocks[1].ref_cnt == 1 and free_ids(pool) == [2, 3, 0]
     pool.check_invariants()
-    # reusing block 0 (LRU order: 3, 2, 0) evicts its hash right then, not before
-    assert ids(pool.get_new_blocks(2)) == [3, 2]
+    # reusing block 0 (LRU order: 2, 3, 0) evicts its hash right then, not before
+    assert ids(pool.get_new_blocks(2)) == [2, 3]
     assert pool.get_cached_block(h(10)) is blocks[0]
     assert ids(pool.get_new_blocks(1)) == [0]
     assert pool.get_cached_block(h(10)) is None and blocks[0].block_hash is None
