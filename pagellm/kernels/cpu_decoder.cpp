@@ -1,11 +1,13 @@
-// A decode step through every decoder layer of a Llama-style model in one call (bfloat16).
+// A step through every decoder layer of a Llama-style model in one call (bfloat16).
 //
 // With few tokens per step the model's own work is small next to the Python around each op
-// (a dozen module calls and kernel wrappers per layer, ~200 us a layer at batch 1). This runs the
-// same kernels in the same order as the modules do (RMSNorm + residual, QKV projection, rotary,
-// K/V write, paged attention, output projection, RMSNorm + residual, gate/up projection,
+// (a dozen module calls and kernel wrappers per layer, ~200 us a layer at batch 1; ~8 ms a
+// step at any size). This runs the same kernels in the same order as the modules do (RMSNorm +
+// residual, QKV projection, rotary, K/V write, paged attention of the decode tokens, prefill
+// attention of the prefill chunks, output projection, RMSNorm + residual, gate/up projection,
 // SiLU-and-mul, down projection; the final norm), so its results are bit-identical to theirs;
-// the caller only sends decode-only steps whose every projection the AMX linear serves.
+// the caller only sends steps whose every projection the AMX linear serves and whose prefill
+// chunks (if any) the prefill kernel takes.
 #include <cstdint>
 #include <cstring>
 
@@ -29,6 +31,12 @@ void pagellm_paged_attention(int dtype, void* out, int64_t out_stride, const voi
                              int64_t num_items, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t block_size, float scale);
 void pagellm_silu_and_mul(int dtype, void* out, const void* x, int64_t rows, int64_t d);
+int pagellm_prefill_attention(void* out, int64_t out_stride, const void* q, int64_t q_stride,
+                              const void* k_cache, const void* v_cache,
+                              const int32_t* block_tables, int64_t bt_stride, int64_t num_seqs,
+                              const int64_t* q_rows, const int32_t* q_lens,
+                              const int32_t* ctx_lens, const int64_t* bt_rows, int64_t H,
+                              int64_t Hkv, int64_t D, int64_t block_size, float scale);
 
 // One layer's tensors (biases may be null).
 struct PagellmLlamaLayer {
@@ -53,9 +61,9 @@ struct PagellmLlamaShape {
 };
 
 // One step: `hidden` [T, hidden] holds the embeddings and gets the final normed states; the
-// other buffers are scratch of their natural shapes. Attention items as the CPU backend plans
-// them (one per decode token).
-struct PagellmDecodeStep {
+// other buffers are scratch of their natural shapes. Attention as the CPU backend plans it:
+// one paged-attention item per decode token, one prefill-attention sequence per chunk.
+struct PagellmForwardStep {
   int64_t num_tokens;
   void* hidden;
   void* residual;
@@ -75,14 +83,19 @@ struct PagellmDecodeStep {
   const int64_t* token_rows;
   int64_t num_items;
   const void* final_norm;
+  int64_t num_prefill;
+  const int64_t* prefill_rows;
+  const int32_t* prefill_lens;
+  const int32_t* prefill_ctx;
+  const int64_t* prefill_bt_rows;
 };
 
-// Returns 0 (with the caches possibly written) only where the AMX linear is unavailable; the
-// caller checks pagellm_linear_available() first.
-int pagellm_llama_decode(const PagellmLlamaLayer* layers, int64_t num_layers,
-                         const PagellmLlamaShape* shape, const PagellmDecodeStep* step) {
+// Returns 0 (with the caches possibly written) only where the AMX linear or, with prefill
+// chunks, the prefill kernel is unavailable; the caller checks both first.
+int pagellm_llama_forward(const PagellmLlamaLayer* layers, int64_t num_layers,
+                          const PagellmLlamaShape* shape, const PagellmForwardStep* step) {
   const PagellmLlamaShape& d = *shape;
-  const PagellmDecodeStep& s = *step;
+  const PagellmForwardStep& s = *step;
   const int64_t T = s.num_tokens, H = d.hidden, D = d.head_dim;
   const int64_t q = d.num_heads * D, kv = d.num_kv_heads * D, qkv_w = q + 2 * kv;
   const int64_t I = d.intermediate;
@@ -103,9 +116,16 @@ int pagellm_llama_decode(const PagellmLlamaLayer* layers, int64_t num_layers,
                    s.cos_cache, s.sin_cache, d.max_pos, D, d.rot_dim);
     pagellm_write_kv(1, w.k_cache, w.v_cache, qkv + q, qkv_w, qkv + q + kv, qkv_w, s.slots, T,
                      kv);
-    pagellm_paged_attention(1, s.attn, q, qkv, qkv_w, s.token_rows, w.k_cache, w.v_cache,
-                            s.block_tables, s.bt_stride, s.lens, s.bt_rows, s.num_items,
-                            d.num_heads, d.num_kv_heads, D, d.block_size, d.scale);
+    if (s.num_items)
+      pagellm_paged_attention(1, s.attn, q, qkv, qkv_w, s.token_rows, w.k_cache, w.v_cache,
+                              s.block_tables, s.bt_stride, s.lens, s.bt_rows, s.num_items,
+                              d.num_heads, d.num_kv_heads, D, d.block_size, d.scale);
+    if (s.num_prefill &&
+        !pagellm_prefill_attention(s.attn, q, qkv, qkv_w, w.k_cache, w.v_cache, s.block_tables,
+                                   s.bt_stride, s.num_prefill, s.prefill_rows, s.prefill_lens,
+                                   s.prefill_ctx, s.prefill_bt_rows, d.num_heads,
+                                   d.num_kv_heads, D, d.block_size, d.scale))
+      return 0;
     pagellm_linear(hidden, H, s.attn, q, w.o, w.o_bias, T, H, q);
     pagellm_rms_norm(1, normed, residual, hidden, residual, w.post_norm, T, H, d.eps);
     pagellm_linear(s.gate_up, 2 * I, normed, H, w.gate_up, w.gate_up_bias, T, 2 * I, H);

@@ -29,7 +29,7 @@ _SIGNATURES = {
     "pagellm_argmax_rows": [c_int, c_void_p, c_void_p, c_int64, c_int64, c_int64],
     "pagellm_linear": [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p, c_int64,
                        c_int64, c_int64],
-    "pagellm_llama_decode": [c_void_p, c_int64, c_void_p, c_void_p],
+    "pagellm_llama_forward": [c_void_p, c_int64, c_void_p, c_void_p],
     "pagellm_prefill_attention": [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p,
                                   c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p,
                                   c_void_p, c_int64, c_int64, c_int64, c_int64, c_float],
@@ -37,7 +37,7 @@ _SIGNATURES = {
 }
 
 class LlamaLayer(ctypes.Structure):
-    """One decoder layer's tensors for ``llama_decode`` (``PagellmLlamaLayer``)."""
+    """One decoder layer's tensors for ``llama_forward`` (``PagellmLlamaLayer``)."""
 
     _fields_ = [(name, c_void_p) for name in (
         "input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias",
@@ -50,14 +50,18 @@ class LlamaShape(ctypes.Structure):
         "block_size")), ("eps", c_float), ("scale", c_float)]
 
 
-class DecodeStep(ctypes.Structure):
+class ForwardStep(ctypes.Structure):
+    """One step for ``llama_forward`` (``PagellmForwardStep``)."""
+
     _fields_ = [("num_tokens", c_int64),
                 *((name, c_void_p) for name in (
                     "hidden", "residual", "normed", "qkv", "attn", "gate_up", "act", "positions",
                     "slots", "cos_cache", "sin_cache", "block_tables")),
                 ("bt_stride", c_int64),
                 *((name, c_void_p) for name in ("lens", "bt_rows", "token_rows")),
-                ("num_items", c_int64), ("final_norm", c_void_p)]
+                ("num_items", c_int64), ("final_norm", c_void_p), ("num_prefill", c_int64),
+                *((name, c_void_p) for name in ("prefill_rows", "prefill_lens", "prefill_ctx",
+                                                "prefill_bt_rows"))]
 
 
 _lib: ctypes.CDLL | None = None
@@ -75,7 +79,7 @@ def _library() -> ctypes.CDLL | None:
                 fn.restype = None
             lib.pagellm_linear_available.restype = c_int
             lib.pagellm_linear.restype = c_int
-            lib.pagellm_llama_decode.restype = c_int
+            lib.pagellm_llama_forward.restype = c_int
             lib.pagellm_prefill_attention.restype = c_int
             lib.pagellm_prefill_attention_supported.restype = c_int
         _lib, _checked = lib, True
@@ -132,12 +136,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out
 
 
-def llama_decode(layers: ctypes.Array, shape: LlamaShape, step: DecodeStep) -> None:
-    """Every decoder layer and the final norm for one decode-only step (``cpu_decoder.cpp``);
+def llama_forward(layers: ctypes.Array, shape: LlamaShape, step: ForwardStep) -> None:
+    """Every decoder layer and the final norm for one step (``cpu_decoder.cpp``);
     ``step.hidden`` holds the embeddings before and the final hidden states after."""
-    if not _library().pagellm_llama_decode(ctypes.byref(layers), len(layers),
-                                           ctypes.byref(shape), ctypes.byref(step)):
-        raise RuntimeError("cpu_ops.llama_decode needs AMX (check linear_supports first)")
+    if not _library().pagellm_llama_forward(ctypes.byref(layers), len(layers),
+                                            ctypes.byref(shape), ctypes.byref(step)):
+        raise RuntimeError("cpu_ops.llama_forward needs AMX (check linear_supports and, with "
+                           "prefill chunks, prefill_head_dim_supported first)")
+
+
+def prefill_head_dim_supported(head_dim: int) -> bool:
+    """Whether ``prefill_attention`` takes this head size on this machine (AMX granted)."""
+    return _library() is not None and bool(_lib.pagellm_prefill_attention_supported(head_dim))
 
 
 def prefill_attention_supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -23,10 +23,14 @@ if TYPE_CHECKING:
     from pagellm.layers.quant_methods import QuantMethod
     from pagellm.layers.quantization import QuantConfig
 
-# Up to this many input rows the AMX kernel beats torch's matmul on a plain bf16 weight
-# (1.5x with one row and the weights in memory, 1.1-1.5x at 64-128 rows, level near 256-320:
-# figures in docs/performance.md); beyond, torch's oneDNN matmul takes over.
-AMX_LINEAR_MAX_ROWS = 256
+# Up to this many input rows the bf16 linears take the AMX kernel, beyond it torch's oneDNN
+# matmul on the plain weight. Alone the kernel is ahead up to ~512 rows (1.5x with one row and
+# the weights in memory, 1.1-1.7x at 64-256 rows, 1.0-1.25x at 320-512 with cold weights) and
+# behind from ~1,024 (0.75-0.8x); steps up to this size also run as one fused call
+# (llama_cpu_fused.py), which makes 640-1,024-token steps 5-20% faster than the modules with
+# oneDNN, and 2,048-token steps slower (the offline workload 1.2x slower): figures in
+# docs/performance.md.
+AMX_LINEAR_MAX_ROWS = 1024
 
 
 def amx_max_numel(weight: torch.Tensor, bias: torch.Tensor | None) -> int:

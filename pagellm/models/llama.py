@@ -96,14 +96,14 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Decode-only CPU steps as one kernel call, when enabled after loading
-        # (llama_cpu_decode.enable_fused_cpu_decode); None: always the modules.
-        self.cpu_decode: Any = None
+        # CPU steps of up to AMX_LINEAR_MAX_ROWS tokens as one kernel call, when enabled after
+        # loading (llama_cpu_fused.enable_fused_cpu_forward); None: always the modules.
+        self.cpu_fused: Any = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.cpu_decode is not None:
-            fused = self.cpu_decode.run(hidden, positions)
+        if self.cpu_fused is not None:
+            fused = self.cpu_fused.run(hidden, positions)
             if fused is not None:
                 return fused
         residual = None

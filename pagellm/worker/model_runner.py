@@ -16,7 +16,7 @@ from pagellm.distributed.communication import all_reduce_min, broadcast_from_ran
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagellm.forward_context import set_forward_context
 from pagellm.layers.linear import prepack_linears_for_cpu
-from pagellm.models.llama_cpu_decode import enable_fused_cpu_decode
+from pagellm.models.llama_cpu_fused import enable_fused_cpu_forward
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler, SamplerOutput
 from pagellm.worker.cuda_graphs import (
@@ -58,7 +58,7 @@ class ModelRunner:
                                  config.model.quantization)
         self.model.eval()
         prepack_linears_for_cpu(self.model)
-        enable_fused_cpu_decode(self.model)
+        enable_fused_cpu_forward(self.model)
         self.load_seconds = time.perf_counter() - start
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.checkpoint_bytes_read = checkpoint_bytes_read() - read_before

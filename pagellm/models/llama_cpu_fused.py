@@ -1,11 +1,13 @@
-"""Decode-only steps of a Llama-style model on CPU as one kernel call (``cpu_ops.llama_decode``).
+"""Steps of a Llama-style model on CPU as one kernel call (``cpu_ops.llama_forward``).
 
 At batch 1 the Python around each op (module calls, kernel wrappers, allocations: ~200 us a
-layer) cost as much as reading the weights. For a decode-only step of up to
-``AMX_LINEAR_MAX_ROWS`` tokens the C++ side runs the layers' own kernels in the modules' order,
-so the hidden states are bit-identical to the module path, which every other step still takes
-(prefill chunks, other devices and dtypes, quantized or sharded layers, subclassed layers).
-``PAGELLM_FUSED_DECODE=0`` turns it off (``PAGELLM_CPU_KERNELS=0`` does too).
+layer) cost as much as reading the weights, and it stays ~8 ms a step at any size (6-7% of a
+256-token prefill step). For a step of up to ``AMX_LINEAR_MAX_ROWS`` tokens (decode tokens,
+prefill chunks or both) the C++ side runs the layers' own kernels in the modules' order, so the
+hidden states are bit-identical to the module path, which every other step still takes (more
+rows, a head size the prefill kernel does not take, other devices and dtypes, quantized or
+sharded layers, subclassed layers). ``PAGELLM_FUSED_CPU=0`` turns it off
+(``PAGELLM_CPU_KERNELS=0`` does too).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, Ll
 logger = logging.getLogger(__name__)
 
 
-def fused_decode_enabled() -> bool:
-    return os.environ.get("PAGELLM_FUSED_DECODE", "1").lower() not in ("0", "false", "no", "off")
+def fused_cpu_enabled() -> bool:
+    return os.environ.get("PAGELLM_FUSED_CPU", "1").lower() not in ("0", "false", "no", "off")
 
 
 def _amx_linear(m: LinearBase) -> bool:
@@ -45,7 +47,7 @@ def _plain(cls: type, obj: object) -> bool:
     return isinstance(obj, cls) and type(obj).forward is cls.forward
 
 
-class LlamaCpuDecode:
+class LlamaCpuFused:
     """The kernel call's fixed arguments for one ``LlamaModel``; ``run`` takes a step."""
 
     def __init__(self, model: LlamaModel) -> None:
@@ -61,11 +63,13 @@ class LlamaCpuDecode:
             max_pos=rotary.cos_cache.shape[0], block_size=0, eps=model.norm.eps, scale=attn.scale)
         self._kv_caches: list | None = None
         self._layers: ctypes.Array | None = None
+        # Steps with prefill chunks need the prefill kernel for this head size.
+        self.prefill_ok = cpu_ops.prefill_head_dim_supported(attn.head_dim)
 
     @classmethod
-    def build(cls, model: LlamaModel) -> LlamaCpuDecode | None:
+    def build(cls, model: LlamaModel) -> LlamaCpuFused | None:
         """The fused path for ``model``, or None where any layer is not one it reproduces."""
-        if not (fused_decode_enabled() and _plain(LlamaModel, model) and len(model.layers)
+        if not (fused_cpu_enabled() and _plain(LlamaModel, model) and len(model.layers)
                 and _plain(RMSNorm, model.norm) and model.norm.weight.dtype == torch.bfloat16):
             return None
         first = model.layers[0].self_attn
@@ -119,17 +123,17 @@ class LlamaCpuDecode:
         return True
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The final hidden states of a decode-only step (``hidden``: its embeddings, reused),
-        or None when this step is not one the fused path takes."""
+        """The final hidden states of a step (``hidden``: its embeddings, reused), or None when
+        this step is not one the fused path takes."""
         ctx = get_forward_context()
         meta = ctx.attn_metadata
         num_tokens = hidden.shape[0]
-        if (meta is None or not meta.is_decode_only or num_tokens != meta.num_tokens
+        if (meta is None or num_tokens != meta.num_tokens
                 or not 0 < num_tokens <= AMX_LINEAR_MAX_ROWS or hidden.dtype != torch.bfloat16
                 or not hidden.is_contiguous() or not self._layer_table(ctx.kv_caches)):
             return None
         plan = plan_step(meta)
-        if plan.lens.numel() != num_tokens:
+        if plan.prefill_seqs and not self.prefill_ok:
             return None
         s = self.shape
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -143,7 +147,7 @@ class LlamaCpuDecode:
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping[:num_tokens].to(torch.int64).contiguous()
         tables = plan.block_tables
-        step = cpu_ops.DecodeStep(
+        step = cpu_ops.ForwardStep(
             num_tokens=num_tokens, hidden=hidden.data_ptr(), residual=residual.data_ptr(),
             normed=normed.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
             gate_up=gate_up.data_ptr(), act=act.data_ptr(), positions=positions.data_ptr(),
@@ -151,19 +155,22 @@ class LlamaCpuDecode:
             sin_cache=self.rotary.sin_cache.data_ptr(), block_tables=tables.data_ptr(),
             bt_stride=tables.stride(0), lens=plan.lens.data_ptr(),
             bt_rows=plan.bt_rows.data_ptr(), token_rows=plan.token_rows.data_ptr(),
-            num_items=num_tokens, final_norm=self.model.norm.weight.data_ptr())
-        cpu_ops.llama_decode(self._layers, s, step)
+            num_items=plan.lens.numel(), final_norm=self.model.norm.weight.data_ptr(),
+            num_prefill=plan.prefill_rows.numel(), prefill_rows=plan.prefill_rows.data_ptr(),
+            prefill_lens=plan.prefill_lens.data_ptr(), prefill_ctx=plan.prefill_ctx.data_ptr(),
+            prefill_bt_rows=plan.prefill_bt_rows.data_ptr())
+        cpu_ops.llama_forward(self._layers, s, step)
         return hidden
 
 
-def enable_fused_cpu_decode(model: nn.Module) -> int:
-    """Give every ``LlamaModel`` in ``model`` its fused decode path where it qualifies (after
-    the linears chose their matmul: ``prepack_linears_for_cpu``); returns how many did."""
+def enable_fused_cpu_forward(model: nn.Module) -> int:
+    """Give every ``LlamaModel`` in ``model`` its fused path where it qualifies (after the
+    linears chose their matmul: ``prepack_linears_for_cpu``); returns how many did."""
     count = 0
     for m in model.modules():
         if isinstance(m, LlamaModel):
-            m.cpu_decode = LlamaCpuDecode.build(m)
-            count += m.cpu_decode is not None
+            m.cpu_fused = LlamaCpuFused.build(m)
+            count += m.cpu_fused is not None
     if count:
-        logger.info("Fused CPU decode enabled for %d model(s)", count)
+        logger.info("Fused CPU forward enabled for %d model(s)", count)
     return count

@@ -1,0 +1,161 @@
+"""The fused CPU path (one kernel call for every layer of a step) against the module path on the
+same model: logits and KV caches bit for bit, over GQA, biased QKV (Qwen2) and 8-head (Mistral)
+tiny models, several sequences whose blocks are scattered and whose lengths cross block edges;
+prefill chunks (with and without cached context) and decode tokens mixed in one step where the
+prefill kernel takes the head size; and the cases it must leave to the modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_harness import PagedHarness
+
+from pagellm.attention import registry
+from pagellm.kernels import cpu_ops
+from pagellm.layers.linear import AMX_LINEAR_MAX_ROWS, prepack_linears_for_cpu
+from pagellm.models.llama_cpu_fused import enable_fused_cpu_forward
+from pagellm.models.loader import build_model, load_hf_config, resolve_model_source
+
+pytestmark = pytest.mark.skipif(
+    not cpu_ops.linear_supports(torch.empty(16, 32, dtype=torch.bfloat16)),
+    reason="no AMX tiles on this CPU (or not granted): the fused path never runs")
+
+
+def _bf16_model(tiny_model_dir, arch: str) -> torch.nn.Module:
+    # An engine built by an earlier test (e.g. --attention-backend torch) leaves its choice as
+    # the process-wide default; these layers must resolve the CPU backend.
+    registry.set_default_backend("auto")
+    src = resolve_model_source(str(tiny_model_dir(arch)))
+    model = build_model(load_hf_config(src), src, torch.bfloat16, torch.device("cpu"))
+    prepack_linears_for_cpu(model)
+    return model
+
+
+class _Counting:
+    """Counts calls of cpu_ops.llama_forward (to know the fused path really ran)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        real = cpu_ops.llama_forward
+
+        def spy(*args):
+            self.calls += 1
+            return real(*args)
+
+        monkeypatch.setattr(cpu_ops, "llama_forward", spy)
+
+
+class _Both:
+    """Two harnesses on one model: every step runs fused on one and through the modules on the
+    other; the logits must be equal."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.fused = model, model.model.cpu_fused
+        self.with_fused = PagedHarness(model, seed=3)
+        self.with_modules = PagedHarness(model, seed=3)
+
+    def step(self, batch):
+        self.model.model.cpu_fused = self.fused
+        a = self.with_fused.step(batch)
+        self.model.model.cpu_fused = None
+        b = self.with_modules.step(batch)
+        self.model.model.cpu_fused = self.fused
+        assert torch.equal(a, b)
+        return a
+
+    def assert_same_caches(self) -> None:
+        for (k1, v1), (k2, v2) in zip(self.with_fused.kv_caches, self.with_modules.kv_caches,
+                                      strict=True):
+            torch.testing.assert_close(k1, k2, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(v1, v2, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.fixture(scope="module")
+def llama_hd32_dir(tmp_path_factory, make_tiny_model):
+    """head_dim 32: the prefill kernel takes it, so prefill steps run fused too."""
+    return make_tiny_model(tmp_path_factory.mktemp("llama_hd32"), "llama", hidden_size=128,
+                           intermediate_size=256)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_fused_decode_is_bit_identical_to_the_modules(tiny_model_dir, arch, monkeypatch):
+    model = _bf16_model(tiny_model_dir, arch)
+    assert enable_fused_cpu_forward(model) == 1
+    assert not model.model.cpu_fused.prefill_ok  # head_dim 16: prefill steps take the modules
+    counter = _Counting(monkeypatch)
+    both = _Both(model)
+    prompts = {"a": list(range(5, 25)), "b": list(range(40, 77)), "c": [3, 9, 4]}
+    logits = both.step([(s, p) for s, p in prompts.items()])  # prefill: the modules, both times
+    assert counter.calls == 0
+    last = {s: int(row.argmax()) for s, row in zip(prompts, logits, strict=True)}
+    for step in range(14):
+        live = [s for s in prompts if not (s == "c" and step >= 9)]  # one sequence leaves
+        logits = both.step([(s, [last[s]]) for s in live])
+        last = {s: int(row.argmax()) for s, row in zip(live, logits, strict=True)}
+    assert counter.calls == 14
+    both.assert_same_caches()
+
+
+def test_fused_prefill_and_mixed_steps_are_bit_identical_to_the_modules(llama_hd32_dir,
+                                                                         monkeypatch):
+    registry.set_default_backend("auto")
+    src = resolve_model_source(str(llama_hd32_dir))
+    model = build_model(load_hf_config(src), src, torch.bfloat16, torch.device("cpu"))
+    prepack_linears_for_cpu(model)
+    assert enable_fused_cpu_forward(model) == 1
+    assert model.model.cpu_fused.prefill_ok
+    counter = _Counting(monkeypatch)
+    both = _Both(model)
+    prompts = {"a": list(range(5, 45)), "b": list(range(40, 77)), "c": [3, 9, 4]}
+    # prefill chunks with no context, one of them a single token's worth short of a block
+    logits = both.step([("a", prompts["a"][:17]), ("b", prompts["b"]), ("c", prompts["c"][:1])])
+    last = {"b": int(logits[1].argmax())}
+    # mixed: a chunk with cached context (crossing block edges), a decode, a one-token chunk
+    # (attended as a decode item), a new sequence's whole prompt
+    logits = both.step([("a", prompts["a"][17:]), ("b", [last["b"]]), ("c", prompts["c"][1:2]),
+                        ("d", list(range(90, 123)))])
+    last = {"a": int(logits[0].argmax()), "b": int(logits[1].argmax()),
+            "d": int(logits[3].argmax())}
+    logits = both.step([("c", prompts["c"][2:]), *((s, [t]) for s, t in last.items())])
+    last = {"c": int(logits[0].argmax()), **{s: int(logits[i + 1].argmax())
+                                              for i, s in enumerate(["a", "b", "d"])}}
+    for _ in range(5):  # decode-only steps
+        logits = both.step([(s, [t]) for s, t in last.items()])
+        last = {s: int(row.argmax()) for s, row in zip(last, logits, strict=True)}
+    assert counter.calls == 8
+    both.assert_same_caches()
+
+
+def test_fused_path_leaves_other_steps_to_the_modules(tiny_model_dir, monkeypatch):
+    model = _bf16_model(tiny_model_dir, "llama")
+    assert enable_fused_cpu_forward(model) == 1
+    counter = _Counting(monkeypatch)
+    h = PagedHarness(model, num_blocks=AMX_LINEAR_MAX_ROWS + 64)
+    h.step([("a", list(range(5, 30)))])  # prefill: head_dim 16 is not the prefill kernel's
+    h.step([("a", [7]), ("b", [1, 2, 3])])  # decode mixed with a prefill chunk
+    assert counter.calls == 0
+    many = [(f"s{i}", [3 + i % 50]) for i in range(AMX_LINEAR_MAX_ROWS + 1)]
+    h.step(many)  # prefill of one token each (decode items): more rows than the AMX linear takes
+    h.step(many)  # ... decode-only, but too many rows
+    assert counter.calls == 0
+    h.step([("a", [8])])
+    assert counter.calls == 1
+
+
+def test_fused_decode_only_where_it_reproduces_the_model(tiny_model_dir, monkeypatch):
+    src = resolve_model_source(str(tiny_model_dir("llama")))
+    fp32 = build_model(load_hf_config(src), src, torch.float32, torch.device("cpu"))
+    prepack_linears_for_cpu(fp32)
+    assert enable_fused_cpu_forward(fp32) == 0  # the kernels are bfloat16
+
+    unpacked = build_model(load_hf_config(src), src, torch.bfloat16, torch.device("cpu"))
+    assert enable_fused_cpu_forward(unpacked) == 0  # linears have not chosen the AMX kernel
+
+    from pagellm.layers.quantization import quantize_model
+
+    quantized = _bf16_model(tiny_model_dir, "llama")
+    quantize_model(quantized, "int8")
+    assert enable_fused_cpu_forward(quantized) == 0
+
+    monkeypatch.setenv("PAGELLM_FUSED_CPU", "0")
+    assert enable_fused_cpu_forward(_bf16_model(tiny_model_dir, "llama")) == 0
