@@ -155,8 +155,7 @@ def prefill_attention_supports(query: torch.Tensor, k_cache: torch.Tensor) -> bo
     multiple of 32 up to 256, unit-stride heads."""
     return (query.dtype == k_cache.dtype == torch.bfloat16 and query.is_cpu
             and query.stride(-1) == 1 and query.stride(1) == query.shape[2]
-            and k_cache.is_contiguous() and _library() is not None
-            and bool(_lib.pagellm_prefill_attention_supported(query.shape[2])))
+            and k_cache.is_contiguous() and prefill_head_dim_supported(query.shape[2]))
 
 
 def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
