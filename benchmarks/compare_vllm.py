@@ -21,6 +21,12 @@ import subprocess
 import sys
 import time
 
+# vLLM-CPU's settings for this 2-core machine (../shared/PEERS.md): 4 GiB of KV, both cores
+# computing, no AOT recompiles, offline.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+            "VLLM_USE_AOT_COMPILE": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1"}
+
 VLLM_SNIPPET = r"""
 import json, sys, time
 
@@ -55,10 +61,8 @@ def run_pagellm(workload: str, dtype: str, extra: list[str]) -> dict:
 
 
 def run_vllm(workload: str, dtype: str, python: str, hf_dir: str) -> dict:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1",
-               VLLM_USE_AOT_COMPILE="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               VLLM_NO_USAGE_STATS="1")
-    proc = subprocess.run([python, "-c", VLLM_SNIPPET, workload, dtype, hf_dir], env=env,
+    proc = subprocess.run([python, "-c", VLLM_SNIPPET, workload, dtype, hf_dir],
+                          env={**os.environ, **VLLM_ENV},
                           check=True, capture_output=True, text=True)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     r = json.loads(line[len("RESULT "):])

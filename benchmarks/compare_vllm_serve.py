@@ -36,9 +36,6 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-            "VLLM_USE_AOT_COMPILE": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1"}
 
 
 def free_port() -> int:
@@ -232,7 +229,7 @@ def pagellm_server(ns: argparse.Namespace, serve_extra: list[str], out: Path) ->
 
 def vllm_server(ns: argparse.Namespace, out: Path) -> Server:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from compare_vllm import default_hf_dir
+    from compare_vllm import VLLM_ENV, default_hf_dir
 
     hf_dir = ns.hf_dir or default_hf_dir()
     # Prefix caching off as in pagellm's default (the sweep's random prompts share nothing

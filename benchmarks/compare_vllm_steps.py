@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
-            "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_USE_AOT_COMPILE": "0",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_vllm import VLLM_ENV, default_hf_dir  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------ worker
@@ -162,7 +161,9 @@ class Worker:
 
 # ------------------------------------------------------------------------------------ driver
 def start_worker(name: str, python: str, ns: argparse.Namespace) -> subprocess.Popen:
-    env = {**os.environ, **(VLLM_ENV if name == "vllm" else {})}
+    # vLLM's engine in the worker's own process, so that step() is the whole step.
+    vllm_env = {**VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**os.environ, **(vllm_env if name == "vllm" else {})}
     log = open(Path(ns.log_dir) / f"steps_worker_{name}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen([python, __file__, "--worker", name, "--dtype", ns.dtype,
                              "--hf-dir", ns.hf_dir], stdin=subprocess.PIPE,
@@ -205,9 +206,6 @@ def main(argv: list[str] | None = None) -> int:
         Worker(ns.worker, ns.dtype, ns.hf_dir).serve()
         return 0
     if ns.hf_dir is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from compare_vllm import default_hf_dir
-
         ns.hf_dir = str(default_hf_dir())
     print(f"load average at start: {open('/proc/loadavg').read().split()[0]}", flush=True)
     procs = {"pagellm": start_worker("pagellm", sys.executable, ns),
