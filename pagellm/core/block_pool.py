@@ -67,23 +67,20 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        assert block.prev_free_block is None and block.next_free_block is None
-        last = self.fake_tail.prev_free_block
-        assert last is not None
-        last.next_free_block = block
-        block.prev_free_block = last
-        block.next_free_block = self.fake_tail
-        self.fake_tail.prev_free_block = block
-        self.num_free_blocks += 1
+        self._link(block, self.fake_tail.prev_free_block, self.fake_tail)
 
     def appendleft(self, block: KVCacheBlock) -> None:
+        self._link(block, self.fake_head, self.fake_head.next_free_block)
+
+    def _link(self, block: KVCacheBlock, prev: KVCacheBlock | None,
+              nxt: KVCacheBlock | None) -> None:
+        """Insert ``block`` (in no queue) between the neighbours ``prev`` and ``nxt``."""
         assert block.prev_free_block is None and block.next_free_block is None
-        first = self.fake_head.next_free_block
-        assert first is not None
-        self.fake_head.next_free_block = block
-        block.prev_free_block = self.fake_head
-        block.next_free_block = first
-        first.prev_free_block = block
+        assert prev is not None and nxt is not None
+        prev.next_free_block = block
+        block.prev_free_block = prev
+        block.next_free_block = nxt
+        nxt.prev_free_block = block
         self.num_free_blocks += 1
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
