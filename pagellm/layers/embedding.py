@@ -14,7 +14,7 @@ from torch import nn
 from pagellm.distributed.communication import all_gather, tensor_model_parallel_all_reduce
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagellm.kernels import cpu_ops
-from pagellm.layers.linear import amx_max_numel
+from pagellm.layers.linear import CPU_PACKED_DTYPES, amx_max_numel
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -79,13 +79,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     @torch.no_grad()
     def prepack_for_cpu_(self) -> bool:
-        """Choose the logits matmul of a CPU bfloat16 weight once: ``cpu_ops.linear`` on the
-        weight as it is where AMX serves it (the rows sampled per step are few), else a copy in
-        oneDNN's blocked layout (the weight itself stays: a tied embedding still looks rows up
-        in it), bit-identical to ``F.linear``. Returns whether anything changed."""
+        """Choose the logits matmul of a CPU bfloat16 or float32 weight once: ``cpu_ops.linear``
+        on the weight as it is where AMX serves it (the rows sampled per step are few), else a
+        copy in oneDNN's blocked layout (the weight itself stays: a tied embedding still looks
+        rows up in it); in bfloat16 bit-identical to ``F.linear``, in float32 faster than MKL
+        where that runs its AVX2 code (``LinearBase.prepack_for_cpu_``). Returns whether
+        anything changed."""
         w = self.weight
-        if (w.device.type != "cpu" or w.dtype != torch.bfloat16
-                or not torch.backends.mkldnn.is_available()):
+        if (w.device.type != "cpu" or w.dtype not in CPU_PACKED_DTYPES
+                or not torch.backends.mkldnn.is_available()
+                or (self.bias is not None and self.bias.dtype != w.dtype)):
             return False
         self.amx_max_numel = amx_max_numel(w.data, self.bias)
         if self.amx_max_numel:

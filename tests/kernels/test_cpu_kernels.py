@@ -328,7 +328,8 @@ def test_amx_linear_keeps_leading_dims_and_empty_input():
 def test_cpu_matmul_choice_after_loading():
     """bf16 layers AMX can serve keep their plain weight and use the kernel up to
     AMX_LINEAR_MAX_ROWS rows (torch's matmul, bit for bit, beyond); the others get oneDNN's
-    prepacked weight, bit-identical to F.linear; float32 stays on MKL."""
+    prepacked weight, bit-identical to F.linear in bfloat16; float32 gets it too (another
+    summation order than MKL's: close to the float64 product, not bit-identical)."""
     from pagellm.layers.embedding import ParallelLMHead
     from pagellm.layers.linear import (
         AMX_LINEAR_MAX_ROWS,
@@ -350,16 +351,22 @@ def test_cpu_matmul_choice_after_loading():
     before = {name: [m.compute_logits(x) if name == "head" else m(x.float() if name == "fp32"
                                                                    else x)
                      for x in (few, many)] for name, m in model.items()}
-    assert prepack_linears_for_cpu(model) == 3  # bf16 only; float32 stays on MKL
+    fp32_weight = model["fp32"].weight.detach().clone()
+    assert prepack_linears_for_cpu(model) == 4
     amx = cpu_ops.linear_supports(model["mlp"].weight)
     assert model["mlp"].weight.is_mkldnn != amx
     assert model["odd"].weight.is_mkldnn  # 40 outputs: not whole 16-column blocks
-    assert not model["fp32"].weight.is_mkldnn
+    assert model["fp32"].weight.is_mkldnn
     for name, m in model.items():
         for x, b in zip((few, many), before[name], strict=True):
             a = m.compute_logits(x) if name == "head" else m(x.float() if name == "fp32" else x)
             if name == "mlp" and amx and x is few:
                 w = model["mlp"].weight
                 _close_to_float64(a, x, w, model["mlp"].bias)
+            elif name == "fp32":
+                ref = x.double() @ fp32_weight.double().T
+                scale = (x.double().abs() @ fp32_weight.double().abs().T).max().item()
+                assert a.dtype == torch.float32
+                assert ((a.double() - ref).abs() <= scale * 1e-6).all()
             else:
                 assert torch.equal(a, b), name
