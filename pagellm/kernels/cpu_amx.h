@@ -47,31 +47,5 @@ class FullTiles {
   TileConfig saved_;
 };
 
-// Transposes 16 x 16 32-bit elements held as 16 rows in place: rows of 16 bf16 pairs become
-// the VNNI layout of a B tile (pair r of every row in tile row r), and back for float32 tiles.
-inline void transpose16(__m512i r[16]) {
-  __m512i a[16], b[16];
-  for (int i = 0; i < 8; ++i) {
-    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-  }
-  for (int q = 0; q < 4; ++q) {
-    const __m512i u0 = _mm512_shuffle_i32x4(b[q], b[4 + q], 0x88);
-    const __m512i u1 = _mm512_shuffle_i32x4(b[q], b[4 + q], 0xDD);
-    const __m512i v0 = _mm512_shuffle_i32x4(b[8 + q], b[12 + q], 0x88);
-    const __m512i v1 = _mm512_shuffle_i32x4(b[8 + q], b[12 + q], 0xDD);
-    r[q] = _mm512_shuffle_i32x4(u0, v0, 0x88);
-    r[4 + q] = _mm512_shuffle_i32x4(u1, v1, 0x88);
-    r[8 + q] = _mm512_shuffle_i32x4(u0, v0, 0xDD);
-    r[12 + q] = _mm512_shuffle_i32x4(u1, v1, 0xDD);
-  }
-}
-
 }  // namespace pagellm
 #endif

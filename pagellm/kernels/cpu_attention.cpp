@@ -60,25 +60,6 @@ inline __m512 dot_lanes(const uint16_t* q, const uint16_t* k, int64_t D) {
   return acc;
 }
 
-// r[j] = sum of the lanes of v[j], for 16 vectors (a transpose-and-add tree).
-inline __m512 hsum16(const __m512* v) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // x[k], 128-bit lane L, slot m: the lane-L partial sum of v[4k + m].
-  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88),
-                                  _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
-  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88),
-                                  _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
-}
-
 // acc[g][:] += p[g * pg + j * pj] * v_j for the n tokens of a block; G x DC accumulators in
 // registers.
 template <typename T, int G, int DC>

@@ -1,5 +1,6 @@
 """Build (once) and load the CPU kernels (``cpu_ops.cpp``, ``cpu_attention.cpp``,
-``cpu_linear.cpp``, ``cpu_decoder.cpp``, ``cpu_prefill.cpp``).
+``cpu_linear.cpp``, ``cpu_linear_vec.cpp``, ``cpu_decoder.cpp``, ``cpu_prefill.cpp``,
+``cpu_prefill_vec.cpp``).
 
 The library is compiled with the machine's C++ compiler the first time it is needed (about 3 s)
 and cached under ``$PAGELLM_CACHE_DIR/kernels`` (default ``~/.cache/pagellm/kernels``), keyed by
@@ -26,9 +27,10 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "cpu_attention.cpp", _HERE / "cpu_linear.cpp",
-           _HERE / "cpu_decoder.cpp", _HERE / "cpu_prefill.cpp"]
-HEADERS = [_HERE / "cpu_common.h", _HERE / "cpu_amx.h"]
-ABI_VERSION = 7
+           _HERE / "cpu_linear_vec.cpp", _HERE / "cpu_decoder.cpp", _HERE / "cpu_prefill.cpp",
+           _HERE / "cpu_prefill_vec.cpp"]
+HEADERS = [_HERE / "cpu_common.h", _HERE / "cpu_amx.h", _HERE / "cpu_prefill.h"]
+ABI_VERSION = 8
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 _lock = threading.Lock()

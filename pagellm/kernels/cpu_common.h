@@ -90,6 +90,51 @@ inline __m256i to_bf16x16(__m512 x) {
 #endif
 }
 
+// Transposes 16 x 16 32-bit elements held as 16 rows in place: rows of 16 bf16 pairs become
+// the VNNI layout of a B tile (pair r of every row in tile row r), and back for float32 tiles.
+inline void transpose16(__m512i r[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m512i u0 = _mm512_shuffle_i32x4(b[q], b[4 + q], 0x88);
+    const __m512i u1 = _mm512_shuffle_i32x4(b[q], b[4 + q], 0xDD);
+    const __m512i v0 = _mm512_shuffle_i32x4(b[8 + q], b[12 + q], 0x88);
+    const __m512i v1 = _mm512_shuffle_i32x4(b[8 + q], b[12 + q], 0xDD);
+    r[q] = _mm512_shuffle_i32x4(u0, v0, 0x88);
+    r[4 + q] = _mm512_shuffle_i32x4(u1, v1, 0x88);
+    r[8 + q] = _mm512_shuffle_i32x4(u0, v0, 0xDD);
+    r[12 + q] = _mm512_shuffle_i32x4(u1, v1, 0xDD);
+  }
+}
+
+// r[j] = sum of the lanes of v[j], for 16 vectors (a transpose-and-add tree).
+inline __m512 hsum16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // x[k], 128-bit lane L, slot m: the lane-L partial sum of v[4k + m].
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88),
+                                  _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88),
+                                  _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+
 inline __m512 round_bf16x16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(x)), 16));
 }

@@ -1,4 +1,4 @@
-// A step through every decoder layer of a Llama-style model in one call (bfloat16).
+// A step through every decoder layer of a Llama-style model in one call (bfloat16 or float32).
 //
 // With few tokens per step the model's own work is small next to the Python around each op
 // (a dozen module calls and kernel wrappers per layer, ~200 us a layer at batch 1; ~8 ms a
@@ -6,7 +6,8 @@
 // residual, QKV projection, rotary, K/V write, paged attention of the decode tokens, prefill
 // attention of the prefill chunks, output projection, RMSNorm + residual, gate/up projection,
 // SiLU-and-mul, down projection; the final norm), so its results are bit-identical to theirs;
-// the caller only sends steps whose every projection the AMX linear serves and whose prefill
+// the caller only sends steps whose every projection one linear kernel serves (AMX on the plain
+// bfloat16 weights, or the AVX-512 kernel on packed weights of either dtype) and whose prefill
 // chunks (if any) the prefill kernel takes.
 #include <cstdint>
 #include <cstring>
@@ -17,6 +18,8 @@ void pagellm_rms_norm(int dtype, void* out, void* residual_out, const void* x,
                       float eps);
 int pagellm_linear(void* y, int64_t ldy, const void* x, int64_t lda, const void* w,
                    const void* bias, int64_t M, int64_t N, int64_t K);
+int pagellm_linear_packed(int dtype, void* y, int64_t ldy, const void* x, int64_t lda,
+                          const void* wp, const void* bias, int64_t M, int64_t N, int64_t K);
 void pagellm_rotary(int dtype, void* q, int64_t q_stride, int64_t num_q_heads, void* k,
                     int64_t k_stride, int64_t num_k_heads, const int64_t* positions,
                     int64_t num_tokens, const float* cos_cache, const float* sin_cache,
@@ -31,8 +34,8 @@ void pagellm_paged_attention(int dtype, void* out, int64_t out_stride, const voi
                              int64_t num_items, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t block_size, float scale);
 void pagellm_silu_and_mul(int dtype, void* out, const void* x, int64_t rows, int64_t d);
-int pagellm_prefill_attention(void* out, int64_t out_stride, const void* q, int64_t q_stride,
-                              const void* k_cache, const void* v_cache,
+int pagellm_prefill_attention(int dtype, void* out, int64_t out_stride, const void* q,
+                              int64_t q_stride, const void* k_cache, const void* v_cache,
                               const int32_t* block_tables, int64_t bt_stride, int64_t num_seqs,
                               const int64_t* q_rows, const int32_t* q_lens,
                               const int32_t* ctx_lens, const int64_t* bt_rows, int64_t H,
@@ -54,10 +57,13 @@ struct PagellmLlamaLayer {
   void* v_cache;
 };
 
+// dtype: 0 = float32, 1 = bfloat16; packed: 1 where the projections' weights are packed for
+// pagellm_linear_packed, 0 where they are plain bfloat16 weights for the AMX pagellm_linear.
 struct PagellmLlamaShape {
   int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
   int64_t rot_dim, max_pos, block_size;
   float eps, scale;
+  int64_t dtype, packed;
 };
 
 // One step: `hidden` [T, hidden] holds the embeddings and gets the final normed states; the
@@ -90,50 +96,69 @@ struct PagellmForwardStep {
   const int64_t* prefill_bt_rows;
 };
 
-// Returns 0 (with the caches possibly written) only where the AMX linear or, with prefill
-// chunks, the prefill kernel is unavailable; the caller checks both first.
-int pagellm_llama_forward(const PagellmLlamaLayer* layers, int64_t num_layers,
-                          const PagellmLlamaShape* shape, const PagellmForwardStep* step) {
-  const PagellmLlamaShape& d = *shape;
-  const PagellmForwardStep& s = *step;
-  const int64_t T = s.num_tokens, H = d.hidden, D = d.head_dim;
+}  // extern "C"
+
+namespace {
+
+template <typename T>
+int llama_forward(const PagellmLlamaLayer* layers, int64_t num_layers,
+                  const PagellmLlamaShape& d, const PagellmForwardStep& s) {
+  const int dt = static_cast<int>(d.dtype);
+  const int64_t T_ = s.num_tokens, H = d.hidden, D = d.head_dim;
   const int64_t q = d.num_heads * D, kv = d.num_kv_heads * D, qkv_w = q + 2 * kv;
   const int64_t I = d.intermediate;
-  auto* hidden = static_cast<uint16_t*>(s.hidden);
-  auto* residual = static_cast<uint16_t*>(s.residual);
-  auto* normed = static_cast<uint16_t*>(s.normed);
-  auto* qkv = static_cast<uint16_t*>(s.qkv);
+  auto* hidden = static_cast<T*>(s.hidden);
+  auto* residual = static_cast<T*>(s.residual);
+  auto* normed = static_cast<T*>(s.normed);
+  auto* qkv = static_cast<T*>(s.qkv);
+  auto linear = [&](void* y, int64_t ldy, const void* x, int64_t lda, const void* w,
+                    const void* bias, int64_t N, int64_t K) {
+    return d.packed ? pagellm_linear_packed(dt, y, ldy, x, lda, w, bias, T_, N, K)
+                    : pagellm_linear(y, ldy, x, lda, w, bias, T_, N, K);
+  };
   for (int64_t l = 0; l < num_layers; ++l) {
     const PagellmLlamaLayer& w = layers[l];
     if (l == 0) {
-      std::memcpy(residual, hidden, T * H * sizeof(uint16_t));
-      pagellm_rms_norm(1, normed, nullptr, hidden, nullptr, w.input_norm, T, H, d.eps);
+      std::memcpy(residual, hidden, T_ * H * sizeof(T));
+      pagellm_rms_norm(dt, normed, nullptr, hidden, nullptr, w.input_norm, T_, H, d.eps);
     } else {
-      pagellm_rms_norm(1, normed, residual, hidden, residual, w.input_norm, T, H, d.eps);
+      pagellm_rms_norm(dt, normed, residual, hidden, residual, w.input_norm, T_, H, d.eps);
     }
-    if (!pagellm_linear(qkv, qkv_w, normed, H, w.qkv, w.qkv_bias, T, qkv_w, H)) return 0;
-    pagellm_rotary(1, qkv, qkv_w, d.num_heads, qkv + q, qkv_w, d.num_kv_heads, s.positions, T,
+    if (!linear(qkv, qkv_w, normed, H, w.qkv, w.qkv_bias, qkv_w, H)) return 0;
+    pagellm_rotary(dt, qkv, qkv_w, d.num_heads, qkv + q, qkv_w, d.num_kv_heads, s.positions, T_,
                    s.cos_cache, s.sin_cache, d.max_pos, D, d.rot_dim);
-    pagellm_write_kv(1, w.k_cache, w.v_cache, qkv + q, qkv_w, qkv + q + kv, qkv_w, s.slots, T,
+    pagellm_write_kv(dt, w.k_cache, w.v_cache, qkv + q, qkv_w, qkv + q + kv, qkv_w, s.slots, T_,
                      kv);
     if (s.num_items)
-      pagellm_paged_attention(1, s.attn, q, qkv, qkv_w, s.token_rows, w.k_cache, w.v_cache,
+      pagellm_paged_attention(dt, s.attn, q, qkv, qkv_w, s.token_rows, w.k_cache, w.v_cache,
                               s.block_tables, s.bt_stride, s.lens, s.bt_rows, s.num_items,
                               d.num_heads, d.num_kv_heads, D, d.block_size, d.scale);
     if (s.num_prefill &&
-        !pagellm_prefill_attention(s.attn, q, qkv, qkv_w, w.k_cache, w.v_cache, s.block_tables,
-                                   s.bt_stride, s.num_prefill, s.prefill_rows, s.prefill_lens,
-                                   s.prefill_ctx, s.prefill_bt_rows, d.num_heads,
-                                   d.num_kv_heads, D, d.block_size, d.scale))
+        !pagellm_prefill_attention(dt, s.attn, q, qkv, qkv_w, w.k_cache, w.v_cache,
+                                   s.block_tables, s.bt_stride, s.num_prefill, s.prefill_rows,
+                                   s.prefill_lens, s.prefill_ctx, s.prefill_bt_rows,
+                                   d.num_heads, d.num_kv_heads, D, d.block_size, d.scale))
       return 0;
-    pagellm_linear(hidden, H, s.attn, q, w.o, w.o_bias, T, H, q);
-    pagellm_rms_norm(1, normed, residual, hidden, residual, w.post_norm, T, H, d.eps);
-    pagellm_linear(s.gate_up, 2 * I, normed, H, w.gate_up, w.gate_up_bias, T, 2 * I, H);
-    pagellm_silu_and_mul(1, s.act, s.gate_up, T, I);
-    pagellm_linear(hidden, H, s.act, I, w.down, w.down_bias, T, H, I);
+    linear(hidden, H, s.attn, q, w.o, w.o_bias, H, q);
+    pagellm_rms_norm(dt, normed, residual, hidden, residual, w.post_norm, T_, H, d.eps);
+    linear(s.gate_up, 2 * I, normed, H, w.gate_up, w.gate_up_bias, 2 * I, H);
+    pagellm_silu_and_mul(dt, s.act, s.gate_up, T_, I);
+    linear(hidden, H, s.act, I, w.down, w.down_bias, H, I);
   }
-  pagellm_rms_norm(1, hidden, residual, hidden, residual, s.final_norm, T, H, d.eps);
+  pagellm_rms_norm(dt, hidden, residual, hidden, residual, s.final_norm, T_, H, d.eps);
   return 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 (with the caches possibly written) only where the linear kernel or, with prefill
+// chunks, the prefill kernel cannot take the step; the caller checks both first.
+int pagellm_llama_forward(const PagellmLlamaLayer* layers, int64_t num_layers,
+                          const PagellmLlamaShape* shape, const PagellmForwardStep* step) {
+  return shape->dtype == 0 ? llama_forward<float>(layers, num_layers, *shape, *step)
+                           : llama_forward<uint16_t>(layers, num_layers, *shape, *step);
 }
 
 }  // extern "C"

@@ -210,7 +210,7 @@ using namespace pagellm;
 
 extern "C" {
 
-int pagellm_abi_version() { return 7; }
+int pagellm_abi_version() { return 8; }
 
 // dtype codes: 0 = float32, 1 = bfloat16
 void pagellm_rms_norm(int dtype, void* out, void* residual_out, const void* x,

@@ -29,11 +29,16 @@ _SIGNATURES = {
     "pagellm_argmax_rows": [c_int, c_void_p, c_void_p, c_int64, c_int64, c_int64],
     "pagellm_linear": [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p, c_int64,
                        c_int64, c_int64],
+    "pagellm_linear_pack": [c_int, c_void_p, c_void_p, c_int64, c_int64],
+    "pagellm_linear_packed": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p,
+                              c_int64, c_int64, c_int64],
+    "pagellm_linear_packed_available": [c_int, c_int64, c_int64],
     "pagellm_llama_forward": [c_void_p, c_int64, c_void_p, c_void_p],
-    "pagellm_prefill_attention": [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p,
-                                  c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p,
-                                  c_void_p, c_int64, c_int64, c_int64, c_int64, c_float],
-    "pagellm_prefill_attention_supported": [c_int64],
+    "pagellm_prefill_attention": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p,
+                                  c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p,
+                                  c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64,
+                                  c_float],
+    "pagellm_prefill_attention_supported": [c_int, c_int64],
 }
 
 class LlamaLayer(ctypes.Structure):
@@ -45,9 +50,13 @@ class LlamaLayer(ctypes.Structure):
 
 
 class LlamaShape(ctypes.Structure):
+    """A model's shape for ``llama_forward`` (``PagellmLlamaShape``): ``dtype`` a dtype code,
+    ``packed`` 1 for weights packed by ``linear_pack``, 0 for plain ones on the AMX kernel."""
+
     _fields_ = [*((name, c_int64) for name in (
         "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "rot_dim", "max_pos",
-        "block_size")), ("eps", c_float), ("scale", c_float)]
+        "block_size")), ("eps", c_float), ("scale", c_float), ("dtype", c_int64),
+        ("packed", c_int64)]
 
 
 class ForwardStep(ctypes.Structure):
@@ -79,6 +88,8 @@ def _library() -> ctypes.CDLL | None:
                 fn.restype = None
             lib.pagellm_linear_available.restype = c_int
             lib.pagellm_linear.restype = c_int
+            lib.pagellm_linear_packed.restype = c_int
+            lib.pagellm_linear_packed_available.restype = c_int
             lib.pagellm_llama_forward.restype = c_int
             lib.pagellm_prefill_attention.restype = c_int
             lib.pagellm_prefill_attention_supported.restype = c_int
@@ -93,6 +104,11 @@ def available() -> bool:
 def dtype_supported(dtype: torch.dtype) -> bool:
     """Whether the kernels take tensors of this dtype (float32 and bfloat16)."""
     return dtype in _DTYPE_CODES
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The kernels' code for a dtype they take (0 float32, 1 bfloat16)."""
+    return _DTYPE_CODES[dtype]
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -136,26 +152,73 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out
 
 
+def linear_packed_supports(weight: torch.Tensor) -> bool:
+    """Whether ``linear_pack`` / ``linear_packed`` take this weight: a contiguous CPU float32
+    or bfloat16 ``[N, K]``, N a multiple of 16 (K even in bfloat16), on a CPU with AVX-512
+    (and AVX512-BF16 for bfloat16)."""
+    return (weight.dim() == 2 and weight.dtype in _DTYPE_CODES and weight.is_cpu
+            and not weight.is_mkldnn and weight.is_contiguous() and _library() is not None
+            and bool(_lib.pagellm_linear_packed_available(_DTYPE_CODES[weight.dtype],
+                                                          *weight.shape)))
+
+
+def linear_pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in ``linear_packed``'s layout (``cpu_linear_vec.cpp``): blocks of 16 output
+    rows, each ``[K/2][16][2]`` (bfloat16) or ``[K][16]`` (float32), as a ``[N // 16, 16 * K]``
+    tensor of the same dtype. Check ``linear_packed_supports`` first."""
+    n, k = weight.shape
+    out = torch.empty((n // 16, 16 * k), dtype=weight.dtype)
+    _library().pagellm_linear_pack(_DTYPE_CODES[weight.dtype], out.data_ptr(),
+                                   weight.data_ptr(), n, k)
+    return out
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+                  ) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with ``packed = linear_pack(weight)``, AVX-512 (see
+    ``cpu_linear_vec.cpp``); ``x [..., K]`` and ``bias`` of its dtype, ``x`` unit stride in its
+    last dimension."""
+    n, k = packed.shape[0] * 16, packed.shape[1] // 16
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out = torch.empty((*x.shape[:-1], n), dtype=packed.dtype)
+    if bias is not None:
+        bias = bias.contiguous()  # held until the call returns
+    if rows and not _library().pagellm_linear_packed(
+            _DTYPE_CODES[packed.dtype], out.data_ptr(), n, x2.data_ptr(), x2.stride(0),
+            packed.data_ptr(), ptr(bias), rows, n, k):
+        raise RuntimeError("cpu_ops.linear_packed cannot take this weight here (check "
+                           "linear_packed_supports first)")
+    return out
+
+
 def llama_forward(layers: ctypes.Array, shape: LlamaShape, step: ForwardStep) -> None:
     """Every decoder layer and the final norm for one step (``cpu_decoder.cpp``);
     ``step.hidden`` holds the embeddings before and the final hidden states after."""
     if not _library().pagellm_llama_forward(ctypes.byref(layers), len(layers),
                                             ctypes.byref(shape), ctypes.byref(step)):
-        raise RuntimeError("cpu_ops.llama_forward needs AMX (check linear_supports and, with "
-                           "prefill chunks, prefill_head_dim_supported first)")
+        raise RuntimeError("cpu_ops.llama_forward cannot take this step here (check the "
+                           "linears' kernel and, with prefill chunks, "
+                           "prefill_head_dim_supported first)")
 
 
-def prefill_head_dim_supported(head_dim: int) -> bool:
-    """Whether ``prefill_attention`` takes this head size on this machine (AMX granted)."""
-    return _library() is not None and bool(_lib.pagellm_prefill_attention_supported(head_dim))
+def prefill_head_dim_supported(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether ``prefill_attention`` takes this head size and dtype on this machine: bfloat16
+    with AMX (granted) or AVX512-BF16, head_dim a multiple of 32 up to 256; float32 with
+    AVX-512, a multiple of 16 up to 256."""
+    return (_library() is not None and dtype in _DTYPE_CODES
+            and bool(_lib.pagellm_prefill_attention_supported(_DTYPE_CODES[dtype], head_dim)))
 
 
 def prefill_attention_supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether ``prefill_attention`` takes these: bfloat16 on a CPU with AMX, head_dim a
-    multiple of 32 up to 256, unit-stride heads."""
-    return (query.dtype == k_cache.dtype == torch.bfloat16 and query.is_cpu
+    """Whether ``prefill_attention`` takes these: one dtype the kernels take for this head size
+    (``prefill_head_dim_supported``), unit-stride heads, a contiguous cache."""
+    return (query.dtype == k_cache.dtype and query.is_cpu
             and query.stride(-1) == 1 and query.stride(1) == query.shape[2]
-            and k_cache.is_contiguous() and prefill_head_dim_supported(query.shape[2]))
+            and k_cache.is_contiguous() and prefill_head_dim_supported(query.shape[2],
+                                                                       query.dtype))
 
 
 def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
@@ -166,20 +229,20 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Ten
     rows ``[q_rows[i], q_rows[i] + q_lens[i])`` of ``query [T, H, D]`` are the last ``q_lens[i]``
     of its ``ctx_lens[i]`` cached tokens (K/V written), block-table row ``bt_rows[i]``; results
     go to the same rows of ``out``. Check ``prefill_attention_supports`` first."""
-    assert out.stride(1) == out.shape[2] and out.stride(2) == 1
+    assert out.stride(1) == out.shape[2] and out.stride(2) == 1 and out.dtype == query.dtype
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     assert q_lens.dtype == ctx_lens.dtype == torch.int32
     assert q_rows.dtype == bt_rows.dtype == torch.int64
     for t in (q_rows, q_lens, ctx_lens, bt_rows):
         assert t.is_contiguous() and t.shape == q_rows.shape
     if not _library().pagellm_prefill_attention(
-            out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0), k_cache.data_ptr(),
-            v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-            q_rows.shape[0], q_rows.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(),
-            bt_rows.data_ptr(), query.shape[1], k_cache.shape[-2], query.shape[2],
-            k_cache.shape[1], scale):
-        raise RuntimeError("cpu_ops.prefill_attention needs AMX (check "
-                           "prefill_attention_supports first)")
+            _DTYPE_CODES[query.dtype], out.data_ptr(), out.stride(0), query.data_ptr(),
+            query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), q_rows.shape[0], q_rows.data_ptr(), q_lens.data_ptr(),
+            ctx_lens.data_ptr(), bt_rows.data_ptr(), query.shape[1], k_cache.shape[-2],
+            query.shape[2], k_cache.shape[1], scale):
+        raise RuntimeError("cpu_ops.prefill_attention cannot take this dtype or head size "
+                           "here (check prefill_attention_supports first)")
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

@@ -1,12 +1,14 @@
-// Causal attention of prefill chunks over the paged KV cache with AMX (bfloat16), flash style.
+// Causal attention of prefill chunks over the paged KV cache, flash style: the entry point, and
+// the AMX (bfloat16) kernel; the AVX-512 kernels for machines without AMX and for float32 are in
+// cpu_prefill_vec.cpp, the driver both run under in cpu_prefill.h.
 //
-// A chunk's K/V (its context and its own new rows, already written to the cache) are first
-// regrouped per (sequence, kv head) into tiles: K transposed as dim pairs x 16 keys, the B
-// operand of the scores; V as key pairs x 16 dims, the B operand of P.V. Then each work item,
-// 16 query rows of one sequence and kv head, runs every query head of that group over the keys
-// its last row may see, 32 at a time: two score tiles, an online softmax in float32 (AVX-512),
-// P rounded to bfloat16 as the A tile, P.V into float32 accumulators. Masked scores count as
-// exactly zero; sums and the output are float32 until the final bfloat16 rounding.
+// AMX: K/V are regrouped per (sequence, kv head) into tiles: K transposed as dim pairs x 16
+// keys, the B operand of the scores; V as key pairs x 16 dims, the B operand of P.V. Then each
+// work item, 16 query rows of one sequence and kv head, runs every query head of that group
+// over the keys its last row may see, 32 at a time: two score tiles, an online softmax in
+// float32 (AVX-512), P rounded to bfloat16 as the A tile, P.V into float32 accumulators. Masked
+// scores count as exactly zero; sums and the output are float32 until the final bfloat16
+// rounding.
 #include <omp.h>
 
 #include <algorithm>
@@ -17,6 +19,7 @@
 
 #include "cpu_amx.h"
 #include "cpu_common.h"
+#include "cpu_prefill.h"
 
 namespace pagellm {
 namespace {
@@ -24,60 +27,11 @@ namespace {
 #if defined(PAGELLM_AMX)
 constexpr int64_t kTile = 512;  // bf16 elements per tile
 
-struct Seq {
-  int64_t q_row;   // first query row in q / out
-  int64_t q_len;   // new rows of this chunk
-  int64_t ctx;     // tokens in the cache after this chunk (context + q_len)
-  int64_t bt_row;  // row of block_tables
-  int64_t packed;  // offset of its packed K/V (elements) in the workspace, per kv head
-};
-
-// Tokens' K/V row in the cache: [block][slot][kv head][D].
-inline const uint16_t* cache_row(const uint16_t* cache, const int32_t* bt, int64_t tok,
-                                 int64_t block_size, int64_t Hkv, int64_t D, int64_t h) {
-  const int64_t block = bt[tok / block_size];
-  return cache + ((block * block_size + tok % block_size) * Hkv + h) * D;
-}
-
-// K of keys [k0, k0 + 16) as D/32 tiles [16 dim pairs][16 keys][2]; keys at or past ctx are 0.
-void pack_k(uint16_t* dst, const uint16_t* k_cache, const int32_t* bt, int64_t k0, int64_t ctx,
-            int64_t block_size, int64_t Hkv, int64_t D, int64_t h) {
-  __m512i r[16];
-  for (int64_t half = 0; half < D / 32; ++half) {
-    for (int64_t n = 0; n < 16; ++n) {
-      const int64_t tok = k0 + n;
-      r[n] = tok < ctx ? _mm512_loadu_si512(cache_row(k_cache, bt, tok, block_size, Hkv, D, h) +
-                                            half * 32)
-                       : _mm512_setzero_si512();
-    }
-    transpose16(r);
-    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + half * kTile + i * 32, r[i]);
-  }
-}
-
-// V of keys [k0, k0 + 32) as D/16 tiles [16 key pairs][16 dims][2]; keys past ctx are 0.
-void pack_v(uint16_t* dst, const uint16_t* v_cache, const int32_t* bt, int64_t k0, int64_t ctx,
-            int64_t block_size, int64_t Hkv, int64_t D, int64_t h) {
-  const __m256i zero = _mm256_setzero_si256();
-  for (int64_t p = 0; p < 16; ++p) {
-    const int64_t t0 = k0 + 2 * p, t1 = t0 + 1;
-    const uint16_t* r0 = t0 < ctx ? cache_row(v_cache, bt, t0, block_size, Hkv, D, h) : nullptr;
-    const uint16_t* r1 = t1 < ctx ? cache_row(v_cache, bt, t1, block_size, Hkv, D, h) : nullptr;
-    for (int64_t dd = 0; dd < D / 16; ++dd) {
-      const __m256i a = r0 ? _mm256_loadu_si256((const __m256i*)(r0 + dd * 16)) : zero;
-      const __m256i b = r1 ? _mm256_loadu_si256((const __m256i*)(r1 + dd * 16)) : zero;
-      const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32(a),
-                                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-      _mm512_storeu_si512(dst + dd * kTile + p * 32, pair);
-    }
-  }
-}
-
 // 16 query rows [r0, r0 + 16) of `s` (rows past q_len repeat the last one, not stored) for
 // every head of kv head h's group.
 void attend_block(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride,
-                  const Seq& s, const uint16_t* kt, const uint16_t* vt, int64_t r0, int64_t h,
-                  int64_t G, int64_t D, float scale) {
+                  const PrefillSeq& s, const uint16_t* kt, const uint16_t* vt, int64_t r0,
+                  int64_t h, int64_t G, int64_t D, float scale) {
   const int64_t rows = std::min<int64_t>(16, s.q_len - r0);
   const int64_t first_pos = s.ctx - s.q_len;  // position of row 0
   // Keys the block's last row sees, in 32-key steps.
@@ -208,101 +162,74 @@ void attend_block(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t 
     }
   }
 }
+
+struct AmxKernel {
+  using T = uint16_t;
+  static constexpr int64_t kKeyBlock = 32;
+  using Thread = FullTiles;
+  static void pack(const PrefillArgs& a, const PrefillSeq& s, T* kt, T* vt, int64_t k0,
+                   int64_t h) {
+    const auto* kc = static_cast<const uint16_t*>(a.k_cache);
+    const auto* vc = static_cast<const uint16_t*>(a.v_cache);
+    const int32_t* bt = a.block_tables + s.bt_row * a.bt_stride;
+    for (int64_t k = k0; k < k0 + 32; k += 16)
+      pack_k_bf16(kt + k * a.D, kc, bt, k, s.ctx, a.block_size, a.Hkv, a.D, h);
+    pack_v_bf16(vt + k0 * a.D, vc, bt, k0, s.ctx, a.block_size, a.Hkv, a.D, h);
+  }
+  static void attend(const PrefillArgs& a, const PrefillSeq& s, const T* kt, const T* vt,
+                     int64_t r0, int64_t h) {
+    attend_block(static_cast<uint16_t*>(a.out), a.out_stride,
+                 static_cast<const uint16_t*>(a.q), a.q_stride, s, kt, vt, r0, h, a.H / a.Hkv,
+                 a.D, a.scale);
+  }
+};
 #endif
+
+bool amx_supported(int dtype, int64_t head_dim) {
+#if defined(PAGELLM_AMX)
+  return dtype == 1 && amx_permitted() && head_dim % 32 == 0 && head_dim <= 256;
+#else
+  (void)dtype;
+  (void)head_dim;
+  return false;
+#endif
+}
 
 }  // namespace
 }  // namespace pagellm
 
 extern "C" {
 
-// Whether pagellm_prefill_attention takes this shape here: AMX granted, head_dim a multiple of
-// 32 up to 256.
-int pagellm_prefill_attention_supported(int64_t head_dim) {
-#if defined(PAGELLM_AMX)
-  return pagellm::amx_permitted() && head_dim % 32 == 0 && head_dim <= 256 ? 1 : 0;
-#else
-  (void)head_dim;
-  return 0;
-#endif
+// Whether pagellm_prefill_attention takes this dtype (0 = float32, 1 = bfloat16) and head size
+// here: bfloat16 with AMX granted, else the AVX-512 kernels (cpu_prefill_vec.cpp).
+int pagellm_prefill_attention_supported(int dtype, int64_t head_dim) {
+  return pagellm::amx_supported(dtype, head_dim) ||
+         pagellm::prefill_vec_supported(dtype, head_dim);
 }
 
 // Sequence i's rows [q_rows[i], q_rows[i] + q_lens[i]) of q [*, H, D] (row stride q_stride) are
 // the last q_lens[i] of its ctx_lens[i] cached tokens (K/V already written, block table row
 // bt_rows[i]); each attends causally to the cache and is written at the same row of out.
-// bfloat16 only; returns 0, doing nothing, where pagellm_prefill_attention_supported is 0.
-int pagellm_prefill_attention(void* out, int64_t out_stride, const void* q, int64_t q_stride,
-                              const void* k_cache, const void* v_cache,
+// Returns 0, doing nothing, where pagellm_prefill_attention_supported is 0.
+int pagellm_prefill_attention(int dtype, void* out, int64_t out_stride, const void* q,
+                              int64_t q_stride, const void* k_cache, const void* v_cache,
                               const int32_t* block_tables, int64_t bt_stride, int64_t num_seqs,
                               const int64_t* q_rows, const int32_t* q_lens,
                               const int32_t* ctx_lens, const int64_t* bt_rows, int64_t H,
                               int64_t Hkv, int64_t D, int64_t block_size, float scale) {
-#if defined(PAGELLM_AMX)
   using namespace pagellm;
-  if (!pagellm_prefill_attention_supported(D)) return 0;
-  const int64_t G = H / Hkv;
-  // Packed K/V per (sequence, kv head): keys rounded up to 32; K then V.
-  std::vector<Seq> seqs(num_seqs);
-  int64_t total = 0;
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t keys = (ctx_lens[i] + 31) / 32 * 32;
-    seqs[i] = Seq{q_rows[i], q_lens[i], ctx_lens[i], bt_rows[i], total};
-    total += keys * D * 2 * Hkv;
+  const PrefillArgs a{out,      out_stride, q,       q_stride, k_cache, v_cache, block_tables,
+                      bt_stride, num_seqs,  q_rows,  q_lens,   ctx_lens, bt_rows, H,
+                      Hkv,      D,          block_size, scale};
+#if defined(PAGELLM_AMX)
+  if (amx_supported(dtype, D)) {
+    run_prefill<AmxKernel>(a);
+    return 1;
   }
-  static thread_local std::vector<uint16_t> ws;
-  if (ws.size() < static_cast<size_t>(total)) ws.resize(total);
-  uint16_t* packed = ws.data();
-  // Work: (sequence, kv head, 32 keys) to pack; (sequence, kv head, 16 rows) to attend.
-  std::vector<int64_t> pack_items, attend_items;  // sequence * 2^40 + head * 2^32 + block
-  for (int64_t i = 0; i < num_seqs; ++i)
-    for (int64_t h = 0; h < Hkv; ++h) {
-      for (int64_t b = 0; b < (seqs[i].ctx + 31) / 32; ++b)
-        pack_items.push_back((i << 40) | (h << 32) | b);
-      for (int64_t b = 0; b < (seqs[i].q_len + 15) / 16; ++b)
-        attend_items.push_back((i << 40) | (h << 32) | b);
-    }
-  // Longest rows first: late rows of a long chunk see the most keys.
-  std::sort(attend_items.begin(), attend_items.end(), [&](int64_t a, int64_t b) {
-    const Seq& sa = seqs[a >> 40];
-    const Seq& sb = seqs[b >> 40];
-    return sa.ctx - sa.q_len + (a & 0xffffffff) * 16 > sb.ctx - sb.q_len + (b & 0xffffffff) * 16;
-  });
-  const auto* kc = static_cast<const uint16_t*>(k_cache);
-  const auto* vc = static_cast<const uint16_t*>(v_cache);
-  const int64_t n_pack = pack_items.size(), n_attend = attend_items.size();
-#pragma omp parallel
-  {
-#pragma omp for schedule(static)
-    for (int64_t it = 0; it < n_pack; ++it) {
-      const int64_t i = pack_items[it] >> 40, h = (pack_items[it] >> 32) & 0xff;
-      const int64_t b = pack_items[it] & 0xffffffff;
-      const Seq& s = seqs[i];
-      const int64_t keys = (s.ctx + 31) / 32 * 32;
-      uint16_t* kt = packed + s.packed + h * keys * D * 2;
-      uint16_t* vt = kt + keys * D;
-      const int32_t* bt = block_tables + s.bt_row * bt_stride;
-      pack_k(kt + (2 * b) * D * 16, kc, bt, b * 32, s.ctx, block_size, Hkv, D, h);
-      pack_k(kt + (2 * b + 1) * D * 16, kc, bt, b * 32 + 16, s.ctx, block_size, Hkv, D, h);
-      pack_v(vt + b * D * 32, vc, bt, b * 32, s.ctx, block_size, Hkv, D, h);
-    }
-    FullTiles tiles;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < n_attend; ++it) {
-      const int64_t i = attend_items[it] >> 40, h = (attend_items[it] >> 32) & 0xff;
-      const int64_t b = attend_items[it] & 0xffffffff;
-      const Seq& s = seqs[i];
-      const int64_t keys = (s.ctx + 31) / 32 * 32;
-      const uint16_t* kt = packed + s.packed + h * keys * D * 2;
-      attend_block(static_cast<uint16_t*>(out), out_stride, static_cast<const uint16_t*>(q),
-                   q_stride, s, kt, kt + keys * D, b * 16, h, G, D, scale);
-    }
-  }
-  return 1;
-#else
-  (void)out; (void)out_stride; (void)q; (void)q_stride; (void)k_cache; (void)v_cache;
-  (void)block_tables; (void)bt_stride; (void)num_seqs; (void)q_rows; (void)q_lens;
-  (void)ctx_lens; (void)bt_rows; (void)H; (void)Hkv; (void)D; (void)block_size; (void)scale;
-  return 0;
 #endif
+  if (!prefill_vec_supported(dtype, D)) return 0;
+  prefill_attention_vec(dtype, a);
+  return 1;
 }
 
 }  // extern "C"

@@ -79,27 +79,34 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     @torch.no_grad()
     def prepack_for_cpu_(self) -> bool:
-        """Choose the logits matmul of a CPU bfloat16 or float32 weight once: ``cpu_ops.linear``
-        on the weight as it is where AMX serves it (the rows sampled per step are few), else a
-        copy in oneDNN's blocked layout (the weight itself stays: a tied embedding still looks
-        rows up in it); in bfloat16 bit-identical to ``F.linear``, in float32 faster than MKL
-        where that runs its AVX2 code (``LinearBase.prepack_for_cpu_``). Returns whether
-        anything changed."""
+        """Choose the logits matmul of a CPU bfloat16 or float32 weight once, as the linear
+        layers do (``LinearBase.prepack_for_cpu_``): ``cpu_ops.linear`` on the weight as it is
+        where AMX serves it (the rows sampled per step are few), else a copy packed for
+        ``cpu_ops.linear_packed`` where that takes it, else a copy in oneDNN's blocked layout
+        (bit-identical to ``F.linear`` in bfloat16). The weight itself stays: a tied embedding
+        still looks rows up in it. Returns whether anything changed."""
         w = self.weight
         if (w.device.type != "cpu" or w.dtype not in CPU_PACKED_DTYPES
-                or not torch.backends.mkldnn.is_available()
                 or (self.bias is not None and self.bias.dtype != w.dtype)):
             return False
         self.amx_max_numel = amx_max_numel(w.data, self.bias)
         if self.amx_max_numel:
             return True
+        if cpu_ops.linear_packed_supports(w.data):
+            self.vec_packed_weight = cpu_ops.linear_pack(w.data)
+            return True
+        if not torch.backends.mkldnn.is_available():
+            return False
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.data)
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         packed = getattr(self, "packed_weight", None)
+        vec_packed = getattr(self, "vec_packed_weight", None)
         if 0 < hidden.numel() <= self.amx_max_numel and hidden.dtype == torch.bfloat16:
             logits = cpu_ops.linear(hidden, self.weight, self.bias)
+        elif vec_packed is not None:
+            logits = cpu_ops.linear_packed(hidden, vec_packed, self.bias)
         elif packed is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, packed, self.bias, "none", [],
                                                         "")

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 # behind from ~1,024 (0.75-0.8x); steps up to this size also run as one fused call
 # (llama_cpu_fused.py), which makes 640-1,024-token steps 5-20% faster than the modules with
 # oneDNN, and 2,048-token steps slower (the offline workload 1.2x slower): figures in
-# docs/performance.md.
+# docs/performance.md. Where AMX does not serve (no AMX, or float32), the weights are packed
+# for pagellm's AVX-512 kernel (cpu_linear_vec.cpp), which serves every row count: 1.05-1.3x
+# oneDNN's prepacked matmul in bfloat16 and 1.0-1.2x in float32 on an AVX-512 AMD CPU.
 AMX_LINEAR_MAX_ROWS = 1024
 
 # Dtypes whose CPU weights get a matmul chosen at load (``prepack_for_cpu_``).
@@ -76,7 +78,11 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.quant_method: QuantMethod | None = None  # set by quantize_
-        self.amx_max_numel = 0  # inputs up to this size take cpu_ops.linear (prepack_for_cpu_)
+        # Chosen by prepack_for_cpu_: inputs up to amx_max_numel take cpu_ops.linear; with
+        # cpu_packed, ``weight`` holds cpu_ops.linear_pack's layout and every input takes
+        # cpu_ops.linear_packed.
+        self.amx_max_numel = 0
+        self.cpu_packed = False
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
@@ -84,6 +90,8 @@ class LinearBase(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is None:
+            if self.cpu_packed:
+                return cpu_ops.linear_packed(x, self.weight, bias)
             if 0 < x.numel() <= self.amx_max_numel and x.dtype == torch.bfloat16:
                 return cpu_ops.linear(x, self.weight, bias)
             if self.weight.is_mkldnn:
@@ -93,27 +101,35 @@ class LinearBase(nn.Module):
 
     @torch.no_grad()
     def prepack_for_cpu_(self) -> bool:
-        """Choose the matmul of a CPU bfloat16 or float32 weight, once, after loading. bfloat16
-        with AMX (and the kernels built): ``cpu_ops.linear`` for up to ``AMX_LINEAR_MAX_ROWS``
-        input rows, on the weight as it is, and torch's matmul beyond (where oneDNN's per-call
-        reorder of the plain weight costs little next to the product). Otherwise the weight is
-        reordered once into oneDNN's blocked layout: in bfloat16 1.1-1.6x faster than
-        ``F.linear`` at decode and prefill sizes and bit-identical to it; in float32
-        2.3-3.2x faster than ``F.linear`` on an AVX-512 AMD CPU, where MKL's sgemm runs its AVX2
-        code (as fast as MKL on Intel; not bit-identical to it: another summation order). The
-        weight is then an opaque mkldnn tensor that can no longer be loaded or quantized.
-        Returns whether anything changed.
+        """Choose the matmul of a CPU bfloat16 or float32 weight, once, after loading:
+        bfloat16 with AMX (and the kernels built): ``cpu_ops.linear`` for up to
+        ``AMX_LINEAR_MAX_ROWS`` input rows, on the weight as it is, and torch's matmul beyond
+        (where oneDNN's per-call reorder of the plain weight costs little next to the product).
+        Otherwise, with AVX-512: the weight packed once for ``cpu_ops.linear_packed``
+        (``cpu_linear_vec.cpp``), which serves every input (faster than oneDNN's prepacked
+        matmul at every size measured; bit-identical to it neither in bfloat16 nor float32:
+        another summation order). Else the weight is reordered once into oneDNN's blocked
+        layout (in bfloat16 1.1-1.6x faster than ``F.linear``; in float32 faster than MKL
+        where that runs its AVX2 code, on AMD). Either packed weight is then opaque to
+        everything but its matmul: it can no longer be loaded or quantized. Returns whether
+        anything changed.
         """
         if self.quant_method is not None:  # quantized layers have no float weight left
             return False
         w = self.weight
-        if (w.is_mkldnn or w.device.type != "cpu" or w.dtype not in CPU_PACKED_DTYPES
-                or not torch.backends.mkldnn.is_available()):
+        if (w.is_mkldnn or self.cpu_packed or w.device.type != "cpu"
+                or w.dtype not in CPU_PACKED_DTYPES):
             return False
         self.amx_max_numel = amx_max_numel(w.data, self.bias)
         if self.amx_max_numel:
             return True
         if self.bias is not None and self.bias.dtype != w.dtype:
+            return False
+        if cpu_ops.linear_packed_supports(w.data):
+            self.weight = nn.Parameter(cpu_ops.linear_pack(w.data), requires_grad=False)
+            self.cpu_packed = True
+            return True
+        if not torch.backends.mkldnn.is_available():
             return False
         self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.data),
                                    requires_grad=False)
@@ -129,6 +145,9 @@ class LinearBase(nn.Module):
         from pagellm.layers.quantization import resolve_backend
 
         assert self.quant_method is None, "layer already quantized"
+        if self.cpu_packed or self.weight.is_mkldnn:
+            raise ValueError("this layer's weight is already packed for its CPU matmul: "
+                             "quantize before prepack_for_cpu_")
         backend = resolve_backend(backend, self.weight.device)
         method = make_quant_method(config, self.weight.data, backend)
         if method is None:

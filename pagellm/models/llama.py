@@ -96,7 +96,7 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # CPU steps of up to AMX_LINEAR_MAX_ROWS tokens as one kernel call, when enabled after
+        # CPU steps as one kernel call where the linears took a fused-capable kernel, enabled after
         # loading (llama_cpu_fused.enable_fused_cpu_forward); None: always the modules.
         self.cpu_fused: Any = None
 

@@ -1,13 +1,15 @@
 """Steps of a Llama-style model on CPU as one kernel call (``cpu_ops.llama_forward``).
 
 At batch 1 the Python around each op (module calls, kernel wrappers, allocations: ~200 us a
-layer) cost as much as reading the weights, and it stays ~8 ms a step at any size (6-7% of a
-256-token prefill step). For a step of up to ``AMX_LINEAR_MAX_ROWS`` tokens (decode tokens,
-prefill chunks or both) the C++ side runs the layers' own kernels in the modules' order, so the
-hidden states are bit-identical to the module path, which every other step still takes (more
-rows, a head size the prefill kernel does not take, other devices and dtypes, quantized or
-sharded layers, subclassed layers). ``PAGELLM_FUSED_CPU=0`` turns it off
-(``PAGELLM_CPU_KERNELS=0`` does too).
+layer) cost as much as reading the weights, and it stays ~4-8 ms a step at any size (6-7% of a
+256-token prefill step). For a step (decode tokens, prefill chunks or both) whose projections
+one linear kernel serves, the C++ side runs the layers' own kernels in the modules' order, so
+the hidden states are bit-identical to the module path. Two kinds qualify: bfloat16 weights on
+the AMX kernel (steps of up to ``AMX_LINEAR_MAX_ROWS`` tokens), and bfloat16 or float32 weights
+packed for the AVX-512 kernel (``cpu_linear_vec.cpp``; steps of any size). Every other step
+still takes the modules (more rows than AMX serves, a head size the prefill kernel does not
+take, other devices and dtypes, quantized or sharded layers, subclassed layers).
+``PAGELLM_FUSED_CPU=0`` turns it off (``PAGELLM_CPU_KERNELS=0`` does too).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pagellm.forward_context import get_forward_context
 from pagellm.kernels import cpu_ops
 from pagellm.kernels.cpu_ops import ptr
 from pagellm.layers.activation import SiluAndMul
-from pagellm.layers.linear import AMX_LINEAR_MAX_ROWS, LinearBase
+from pagellm.layers.linear import AMX_LINEAR_MAX_ROWS, CPU_PACKED_DTYPES, LinearBase
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding
 from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
@@ -36,10 +38,18 @@ def fused_cpu_enabled() -> bool:
     return os.environ.get("PAGELLM_FUSED_CPU", "1").lower() not in ("0", "false", "no", "off")
 
 
-def _amx_linear(m: LinearBase) -> bool:
+def _linear_kind(m: LinearBase, dtype: torch.dtype) -> str | None:
+    """"amx" (plain bfloat16 weight on the AMX kernel), "packed" (cpu_ops.linear_packed), or
+    None where the fused path cannot run this layer."""
+    if m.quant_method is not None or m.tp_size != 1 or not (m.bias is None
+                                                            or m.bias.is_contiguous()):
+        return None
+    if m.cpu_packed and m.weight.dtype == dtype:
+        return "packed"
     # amx_max_numel > 0: the weight (and a bias, if any) passed cpu_ops.linear's checks.
-    return (m.quant_method is None and m.amx_max_numel > 0 and m.tp_size == 1
-            and (m.bias is None or m.bias.is_contiguous()))
+    if m.amx_max_numel > 0 and dtype == torch.bfloat16:
+        return "amx"
+    return None
 
 
 def _plain(cls: type, obj: object) -> bool:
@@ -50,8 +60,9 @@ def _plain(cls: type, obj: object) -> bool:
 class LlamaCpuFused:
     """The kernel call's fixed arguments for one ``LlamaModel``; ``run`` takes a step."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: LlamaModel, kind: str) -> None:
         self.model = model
+        self.dtype = model.norm.weight.dtype
         first = model.layers[0]
         attn = first.self_attn.attn
         rotary = first.self_attn.rotary_emb
@@ -59,30 +70,37 @@ class LlamaCpuFused:
         self.shape = cpu_ops.LlamaShape(
             hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            intermediate=first.mlp.down_proj.weight.shape[1], rot_dim=2 * rotary.cos_cache.shape[1],
-            max_pos=rotary.cos_cache.shape[0], block_size=0, eps=model.norm.eps, scale=attn.scale)
+            intermediate=first.mlp.down_proj.input_size, rot_dim=2 * rotary.cos_cache.shape[1],
+            max_pos=rotary.cos_cache.shape[0], block_size=0, eps=model.norm.eps, scale=attn.scale,
+            dtype=cpu_ops.dtype_code(self.dtype), packed=int(kind == "packed"))
+        # The AMX kernel serves up to AMX_LINEAR_MAX_ROWS rows; the packed one any number.
+        self.max_tokens = AMX_LINEAR_MAX_ROWS if kind == "amx" else None
         self._kv_caches: list | None = None
         self._layers: ctypes.Array | None = None
         # Steps with prefill chunks need the prefill kernel for this head size.
-        self.prefill_ok = cpu_ops.prefill_head_dim_supported(attn.head_dim)
+        self.prefill_ok = cpu_ops.prefill_head_dim_supported(attn.head_dim, self.dtype)
 
     @classmethod
     def build(cls, model: LlamaModel) -> LlamaCpuFused | None:
         """The fused path for ``model``, or None where any layer is not one it reproduces."""
         if not (fused_cpu_enabled() and _plain(LlamaModel, model) and len(model.layers)
-                and _plain(RMSNorm, model.norm) and model.norm.weight.dtype == torch.bfloat16):
+                and _plain(RMSNorm, model.norm)):
+            return None
+        dtype = model.norm.weight.dtype
+        if dtype not in CPU_PACKED_DTYPES or not cpu_ops.dtype_supported(dtype):
             return None
         first = model.layers[0].self_attn
         attn0 = first.attn
+        kinds = set()
         for layer in model.layers:
             sa, mlp = layer.self_attn, layer.mlp
             attn = sa.attn
+            linears = (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
             ok = (_plain(LlamaDecoderLayer, layer) and _plain(LlamaAttention, sa)
                   and _plain(LlamaMLP, mlp) and _plain(SiluAndMul, mlp.act_fn)
-                  and all(_amx_linear(m) for m in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj,
-                                                   mlp.down_proj))
+                  and all(isinstance(m, LinearBase) for m in linears)
                   and all(_plain(RMSNorm, n) and n.eps == model.norm.eps
-                          and n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous()
+                          and n.weight.dtype == dtype and n.weight.is_contiguous()
                           for n in (layer.input_layernorm, layer.post_attention_layernorm))
                   and sa.rotary_emb is first.rotary_emb and _plain(RotaryEmbedding, sa.rotary_emb)
                   and isinstance(attn.get_backend(torch.device("cpu")), CpuAttentionBackend)
@@ -90,10 +108,13 @@ class LlamaCpuFused:
                   == (attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, attn0.scale))
             if not ok:
                 return None
+            kinds.update(_linear_kind(m, dtype) for m in linears)
+        if len(kinds) != 1 or None in kinds:
+            return None
         for table in (first.rotary_emb.cos_cache, first.rotary_emb.sin_cache):
             if not (table.dtype == torch.float32 and table.is_cpu and table.is_contiguous()):
                 return None
-        return cls(model)
+        return cls(model, kinds.pop())
 
     def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Point the layer table at these caches (rebuilt when the runner's list changes)."""
@@ -106,7 +127,7 @@ class LlamaCpuFused:
         table = (cpu_ops.LlamaLayer * len(layers))()
         for i, layer in enumerate(layers):
             k, v = kv_caches[layer.self_attn.attn.layer_idx]
-            if not (k.dtype == v.dtype == torch.bfloat16 and k.is_cpu and k.is_contiguous()
+            if not (k.dtype == v.dtype == self.dtype and k.is_cpu and k.is_contiguous()
                     and v.is_contiguous() and k.shape[-2:] == (self.shape.num_kv_heads,
                                                                self.shape.head_dim)):
                 return False
@@ -128,9 +149,10 @@ class LlamaCpuFused:
         ctx = get_forward_context()
         meta = ctx.attn_metadata
         num_tokens = hidden.shape[0]
-        if (meta is None or num_tokens != meta.num_tokens
-                or not 0 < num_tokens <= AMX_LINEAR_MAX_ROWS or hidden.dtype != torch.bfloat16
-                or not hidden.is_contiguous() or not self._layer_table(ctx.kv_caches)):
+        if (meta is None or num_tokens != meta.num_tokens or num_tokens <= 0
+                or (self.max_tokens is not None and num_tokens > self.max_tokens)
+                or hidden.dtype != self.dtype or not hidden.is_contiguous()
+                or not self._layer_table(ctx.kv_caches)):
             return None
         plan = plan_step(meta)
         if plan.prefill_seqs and not self.prefill_ok:
@@ -139,7 +161,7 @@ class LlamaCpuFused:
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
 
         def scratch(width: int) -> torch.Tensor:
-            return torch.empty((num_tokens, width), dtype=torch.bfloat16)
+            return torch.empty((num_tokens, width), dtype=self.dtype)
 
         residual, normed = scratch(s.hidden), scratch(s.hidden)
         qkv, attn = scratch(q_size + 2 * kv_size), scratch(q_size)

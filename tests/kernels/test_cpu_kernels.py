@@ -4,7 +4,8 @@ Decode attention vs a dense float64 attention over random, scattered block table
 no sequence owns holds NaN, so a read outside a sequence poisons the result), over head shapes
 that take each code path (register-blocked G x D, the generic accumulator, non-multiple-of-16
 head dims); element-wise kernels vs the plain PyTorch ops they replace, bit for bit in bfloat16;
-the row argmax vs torch.argmax (ties, NaN, -inf, strided rows); the AMX linear vs a float64
+the row argmax vs torch.argmax (ties, NaN, -inf, strided rows); prefill attention (AMX or AVX-512)
+vs a dense float64 causal attention; the AMX linear and the packed AVX-512 linear vs a float64
 matmul, and the layers' choice of matmul after loading.
 """
 
@@ -107,38 +108,41 @@ def test_decode_attention_subset_rows_and_strides():
     assert out[[0, 2, 3, 5]].abs().sum() == 0  # untouched rows
 
 
-needs_amx_prefill = pytest.mark.skipif(
-    not cpu_ops.prefill_attention_supports(torch.empty(1, 1, 64, dtype=torch.bfloat16),
-                                           torch.empty(1, 16, 1, 64, dtype=torch.bfloat16)),
-    reason="no AMX tiles on this CPU (or not granted)")
+def _prefill_kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    return cpu_ops.prefill_attention_supports(torch.empty(1, 1, head_dim, dtype=dtype),
+                                              torch.empty(1, 16, 1, head_dim, dtype=dtype))
 
 
-@needs_amx_prefill
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
     (9, 3, 64, 16),    # the default model
     (4, 4, 32, 16),    # no GQA, one 32-dim half
     (8, 1, 128, 32),   # G=8, two 16-token halves per block
     (4, 2, 96, 16),    # D=96: P.V over 6 dim blocks (a group of 4, then 2)
+    (6, 2, 80, 16),    # D=80 (float32 only): P.V over 4 + 1 dim blocks
 ])
-def test_prefill_attention_matches_dense(num_heads, num_kv_heads, head_dim, block_size):
-    """Chunks with and without cached context, lengths off every tile edge, attended causally
-    over scattered blocks (NaN in every slot no sequence owns), against float64."""
+def test_prefill_attention_matches_dense(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    """Chunks with and without cached context, lengths off every tile and step edge, attended
+    causally over scattered blocks (NaN in every slot no sequence owns), against float64; on
+    AMX (bfloat16) or the AVX-512 kernels, whichever this machine has."""
+    if not _prefill_kernel_takes(dtype, head_dim):
+        pytest.skip(f"no prefill kernel for {dtype} and head_dim {head_dim} on this CPU")
     # (tokens cached in all, of which this chunk's new rows)
     cases = [(37, 37), (300, 45), (16, 16), (70, 1), (129, 129), (5, 3), (33, 32)]
     ctx = [c for c, _ in cases]
     query_all, keys, values, k_cache, v_cache, tables = _decode_case(
-        ctx, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=5)
+        ctx, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=5)
     g = torch.Generator().manual_seed(9)
     total = sum(n for _, n in cases)
     # Rows strided in a wider projection, the sequences' rows in a shuffled order.
-    wide = torch.randn(total, num_heads * head_dim + 64, generator=g).to(torch.bfloat16)
+    wide = torch.randn(total, num_heads * head_dim + 64, generator=g).to(dtype)
     query = wide[:, : num_heads * head_dim].view(total, num_heads, head_dim)
     order = [4, 0, 6, 2, 5, 1, 3]
     starts, row = {}, 0
     for i in order:
         starts[i] = row
         row += cases[i][1]
-    out = torch.full((total, num_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((total, num_heads, head_dim), float("nan"), dtype=dtype)
     scale = 1 / math.sqrt(head_dim)
     idx = list(range(len(cases)))
     cpu_ops.prefill_attention(
@@ -147,6 +151,8 @@ def test_prefill_attention_matches_dense(num_heads, num_kv_heads, head_dim, bloc
         torch.tensor([n for _, n in cases], dtype=torch.int32),
         torch.tensor(ctx, dtype=torch.int32), torch.tensor(idx, dtype=torch.int64), scale)
     group = num_heads // num_kv_heads
+    # bfloat16: P is rounded to bfloat16 for the P.V products, the output once more.
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     for i, (c, n) in enumerate(cases):
         q = query[starts[i] : starts[i] + n].double()
         k, v = keys[i].double(), values[i].double()
@@ -156,7 +162,7 @@ def test_prefill_attention_matches_dense(num_heads, num_kv_heads, head_dim, bloc
             s = s.masked_fill(torch.arange(c)[None, :] > pos, float("-inf"))
             ref = torch.softmax(s, -1) @ v[:, h // group]
             torch.testing.assert_close(out[starts[i] : starts[i] + n, h].double(), ref,
-                                       atol=2e-2, rtol=2e-2)
+                                       **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -325,11 +331,58 @@ def test_amx_linear_keeps_leading_dims_and_empty_input():
     assert cpu_ops.linear(x[:0], w, None).shape == (0, 3, 32)
 
 
+def _packed_kernel_takes(dtype: torch.dtype) -> bool:
+    return cpu_ops.linear_packed_supports(torch.empty(16, 32, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 9, 16, 17, 33, 300])
+@pytest.mark.parametrize("n,k,bias", [(16, 32, False), (48, 64, True), (32, 64, False),
+                                      (80, 40, True), (960, 576, False), (576, 1536, True)])
+def test_packed_linear_matches_float64(dtype, rows, n, k, bias):
+    """The AVX-512 kernel on packed weights: every micro-kernel shape (8-row groups and each
+    leftover count, panels of 3, 2 and 1 output blocks), K off the vector width."""
+    if not _packed_kernel_takes(dtype):
+        pytest.skip(f"no packed linear kernel for {dtype} on this CPU")
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    # Rows strided inside a wider tensor, and NaN beside them: a read past a row poisons.
+    wide = torch.full((rows, k + 32), float("nan"), dtype=dtype)
+    wide[:, :k] = torch.randn(rows, k, generator=g).to(dtype)
+    x = wide[:, :k]
+    packed = cpu_ops.linear_pack(w)
+    assert packed.shape == (n // 16, 16 * k) and packed.dtype == dtype
+    out = cpu_ops.linear_packed(x, packed, b)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    if dtype == torch.bfloat16:
+        _close_to_float64(out, x, w, b)
+    else:
+        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        scale = (x.double().abs() @ w.double().abs().T).max().item()
+        assert ((out.double() - ref).abs() <= scale * 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_keeps_leading_dims_and_empty_input(dtype):
+    if not _packed_kernel_takes(dtype):
+        pytest.skip(f"no packed linear kernel for {dtype} on this CPU")
+    w = torch.randn(32, 64).to(dtype)
+    x = torch.randn(2, 3, 64).to(dtype)
+    out = cpu_ops.linear_packed(x, cpu_ops.linear_pack(w), None)
+    assert out.shape == (2, 3, 32)
+    torch.testing.assert_close(out, F.linear(x.float(), w.float()).to(dtype), **TOL[dtype])
+    assert cpu_ops.linear_packed(x[:0], cpu_ops.linear_pack(w), None).shape == (0, 3, 32)
+    assert not cpu_ops.linear_packed_supports(torch.randn(40, 64).to(dtype))
+
+
 def test_cpu_matmul_choice_after_loading():
-    """bf16 layers AMX can serve keep their plain weight and use the kernel up to
-    AMX_LINEAR_MAX_ROWS rows (torch's matmul, bit for bit, beyond); the others get oneDNN's
-    prepacked weight, bit-identical to F.linear in bfloat16; float32 gets it too (another
-    summation order than MKL's: close to the float64 product, not bit-identical)."""
+    """Each layer's matmul after loading: bf16 layers AMX can serve keep their plain weight and
+    use the kernel up to AMX_LINEAR_MAX_ROWS rows (torch's matmul, bit for bit, beyond); else
+    the weight is packed for the AVX-512 kernel where it takes it (whole 16-output blocks), for
+    every row count; else oneDNN's prepacked weight (bit-identical to F.linear in bfloat16,
+    another summation order than MKL's in float32). Every result is checked against the float64
+    product, or bit for bit where it must be."""
     from pagellm.layers.embedding import ParallelLMHead
     from pagellm.layers.linear import (
         AMX_LINEAR_MAX_ROWS,
@@ -342,31 +395,40 @@ def test_cpu_matmul_choice_after_loading():
         "mlp": MergedColumnParallelLinear(64, [96, 96], bias=True, params_dtype=torch.bfloat16),
         "odd": MergedColumnParallelLinear(64, [20, 20], bias=False, params_dtype=torch.bfloat16),
         "head": ParallelLMHead(300, 64, params_dtype=torch.bfloat16),
-        "fp32": MergedColumnParallelLinear(64, [32, 32], bias=False),
+        "fp32": MergedColumnParallelLinear(64, [32, 32], bias=True),
     })
     for p in model.parameters():
         torch.nn.init.normal_(p)
     few = torch.randn(7, 64).to(torch.bfloat16)
     many = torch.randn(AMX_LINEAR_MAX_ROWS + 1, 64).to(torch.bfloat16)
-    before = {name: [m.compute_logits(x) if name == "head" else m(x.float() if name == "fp32"
-                                                                   else x)
-                     for x in (few, many)] for name, m in model.items()}
-    fp32_weight = model["fp32"].weight.detach().clone()
+
+    def run(name, m, x):
+        x = x.float() if name == "fp32" else x
+        return m.compute_logits(x) if name == "head" else m(x)
+
+    before = {name: [run(name, m, x) for x in (few, many)] for name, m in model.items()}
+    plain = {name: (m.weight.detach().clone(), getattr(m, "bias", None))
+             for name, m in model.items()}
+    amx = cpu_ops.linear_supports(plain["mlp"][0])
+    vec = {name: cpu_ops.linear_packed_supports(w) for name, (w, _) in plain.items()}
+    assert not vec["odd"] and not vec["head"]  # 40 and 300 outputs: not whole 16-row blocks
     assert prepack_linears_for_cpu(model) == 4
-    amx = cpu_ops.linear_supports(model["mlp"].weight)
-    assert model["mlp"].weight.is_mkldnn != amx
-    assert model["odd"].weight.is_mkldnn  # 40 outputs: not whole 16-column blocks
-    assert model["fp32"].weight.is_mkldnn
+    assert model["mlp"].weight.is_mkldnn == (not amx and not vec["mlp"])
+    assert model["mlp"].cpu_packed == (not amx and vec["mlp"])
+    assert model["odd"].weight.is_mkldnn
+    assert model["fp32"].cpu_packed == vec["fp32"]
+    assert model["fp32"].weight.is_mkldnn != vec["fp32"]
     for name, m in model.items():
+        w, bias = plain[name]
         for x, b in zip((few, many), before[name], strict=True):
-            a = m.compute_logits(x) if name == "head" else m(x.float() if name == "fp32" else x)
-            if name == "mlp" and amx and x is few:
-                w = model["mlp"].weight
-                _close_to_float64(a, x, w, model["mlp"].bias)
-            elif name == "fp32":
-                ref = x.double() @ fp32_weight.double().T
-                scale = (x.double().abs() @ fp32_weight.double().abs().T).max().item()
+            a = run(name, m, x)
+            x = x.float() if name == "fp32" else x
+            if name == "fp32":
+                ref = x.double() @ w.double().T + bias.double()
+                scale = (x.double().abs() @ w.double().abs().T).max().item()
                 assert a.dtype == torch.float32
                 assert ((a.double() - ref).abs() <= scale * 1e-6).all()
+            elif name == "mlp" and ((amx and x is few) or m.cpu_packed):
+                _close_to_float64(a, x, w, bias)
             else:
                 assert torch.equal(a, b), name

@@ -2,7 +2,8 @@
 same model: logits and KV caches bit for bit, over GQA, biased QKV (Qwen2) and 8-head (Mistral)
 tiny models, several sequences whose blocks are scattered and whose lengths cross block edges;
 prefill chunks (with and without cached context) and decode tokens mixed in one step where the
-prefill kernel takes the head size; and the cases it must leave to the modules."""
+prefill kernel takes the head size; and the cases it must leave to the modules. In bfloat16 on
+the AMX kernel or the packed AVX-512 one (whichever this CPU has), in float32 on the packed one."""
 
 from __future__ import annotations
 
@@ -16,17 +17,26 @@ from pagellm.layers.linear import AMX_LINEAR_MAX_ROWS, prepack_linears_for_cpu
 from pagellm.models.llama_cpu_fused import enable_fused_cpu_forward
 from pagellm.models.loader import build_model, load_hf_config, resolve_model_source
 
-pytestmark = pytest.mark.skipif(
-    not cpu_ops.linear_supports(torch.empty(16, 32, dtype=torch.bfloat16)),
-    reason="no AMX tiles on this CPU (or not granted): the fused path never runs")
+
+def _kind(dtype: torch.dtype) -> str | None:
+    """Which linear kernel the fused path runs on in this dtype here, if any."""
+    w = torch.empty(16, 32, dtype=dtype)
+    if dtype == torch.bfloat16 and cpu_ops.linear_supports(w):
+        return "amx"
+    return "packed" if cpu_ops.linear_packed_supports(w) else None
 
 
-def _bf16_model(tiny_model_dir, arch: str) -> torch.nn.Module:
+DTYPES = [pytest.param(d, marks=pytest.mark.skipif(
+    _kind(d) is None, reason=f"no linear kernel for {d} on this CPU: the fused path never runs"))
+    for d in (torch.bfloat16, torch.float32)]
+
+
+def _model(tiny_model_dir, arch: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     # An engine built by an earlier test (e.g. --attention-backend torch) leaves its choice as
     # the process-wide default; these layers must resolve the CPU backend.
     registry.set_default_backend("auto")
     src = resolve_model_source(str(tiny_model_dir(arch)))
-    model = build_model(load_hf_config(src), src, torch.bfloat16, torch.device("cpu"))
+    model = build_model(load_hf_config(src), src, dtype, torch.device("cpu"))
     prepack_linears_for_cpu(model)
     return model
 
@@ -77,30 +87,34 @@ def llama_hd32_dir(tmp_path_factory, make_tiny_model):
                            intermediate_size=256)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_fused_decode_is_bit_identical_to_the_modules(tiny_model_dir, arch, monkeypatch):
-    model = _bf16_model(tiny_model_dir, arch)
+def test_fused_decode_is_bit_identical_to_the_modules(tiny_model_dir, arch, dtype, monkeypatch):
+    model = _model(tiny_model_dir, arch, dtype)
     assert enable_fused_cpu_forward(model) == 1
-    assert not model.model.cpu_fused.prefill_ok  # head_dim 16: prefill steps take the modules
+    # head_dim 16: the float32 prefill kernel takes it, the bfloat16 ones do not.
+    prefill_fused = dtype == torch.float32
+    assert model.model.cpu_fused.prefill_ok == prefill_fused
     counter = _Counting(monkeypatch)
     both = _Both(model)
     prompts = {"a": list(range(5, 25)), "b": list(range(40, 77)), "c": [3, 9, 4]}
-    logits = both.step([(s, p) for s, p in prompts.items()])  # prefill: the modules, both times
-    assert counter.calls == 0
+    logits = both.step([(s, p) for s, p in prompts.items()])
+    assert counter.calls == int(prefill_fused)
     last = {s: int(row.argmax()) for s, row in zip(prompts, logits, strict=True)}
     for step in range(14):
         live = [s for s in prompts if not (s == "c" and step >= 9)]  # one sequence leaves
         logits = both.step([(s, [last[s]]) for s in live])
         last = {s: int(row.argmax()) for s, row in zip(live, logits, strict=True)}
-    assert counter.calls == 14
+    assert counter.calls == 14 + int(prefill_fused)
     both.assert_same_caches()
 
 
-def test_fused_prefill_and_mixed_steps_are_bit_identical_to_the_modules(llama_hd32_dir,
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_prefill_and_mixed_steps_are_bit_identical_to_the_modules(llama_hd32_dir, dtype,
                                                                          monkeypatch):
     registry.set_default_backend("auto")
     src = resolve_model_source(str(llama_hd32_dir))
-    model = build_model(load_hf_config(src), src, torch.bfloat16, torch.device("cpu"))
+    model = build_model(load_hf_config(src), src, dtype, torch.device("cpu"))
     prepack_linears_for_cpu(model)
     assert enable_fused_cpu_forward(model) == 1
     assert model.model.cpu_fused.prefill_ok
@@ -126,36 +140,46 @@ def test_fused_prefill_and_mixed_steps_are_bit_identical_to_the_modules(llama_hd
     both.assert_same_caches()
 
 
-def test_fused_path_leaves_other_steps_to_the_modules(tiny_model_dir, monkeypatch):
-    model = _bf16_model(tiny_model_dir, "llama")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_path_leaves_other_steps_to_the_modules(tiny_model_dir, dtype, monkeypatch):
+    model = _model(tiny_model_dir, "llama", dtype)
     assert enable_fused_cpu_forward(model) == 1
     counter = _Counting(monkeypatch)
     h = PagedHarness(model, num_blocks=AMX_LINEAR_MAX_ROWS + 64)
-    h.step([("a", list(range(5, 30)))])  # prefill: head_dim 16 is not the prefill kernel's
+    fused_prefill = model.model.cpu_fused.prefill_ok  # head_dim 16: float32 only
+    h.step([("a", list(range(5, 30)))])
     h.step([("a", [7]), ("b", [1, 2, 3])])  # decode mixed with a prefill chunk
-    assert counter.calls == 0
+    assert counter.calls == (2 if fused_prefill else 0)
     many = [(f"s{i}", [3 + i % 50]) for i in range(AMX_LINEAR_MAX_ROWS + 1)]
-    h.step(many)  # prefill of one token each (decode items): more rows than the AMX linear takes
-    h.step(many)  # ... decode-only, but too many rows
-    assert counter.calls == 0
+    h.step(many)  # prefill of one token each (decode items)
+    h.step(many)  # decode-only
+    # More rows than the AMX linear takes go to the modules; the packed kernel takes any.
+    big_fused = 2 if _kind(dtype) == "packed" else 0
+    assert counter.calls == (2 if fused_prefill else 0) + big_fused
     h.step([("a", [8])])
-    assert counter.calls == 1
+    assert counter.calls == (2 if fused_prefill else 0) + big_fused + 1
 
 
 def test_fused_decode_only_where_it_reproduces_the_model(tiny_model_dir, monkeypatch):
     src = resolve_model_source(str(tiny_model_dir("llama")))
     fp32 = build_model(load_hf_config(src), src, torch.float32, torch.device("cpu"))
     prepack_linears_for_cpu(fp32)
-    assert enable_fused_cpu_forward(fp32) == 0  # the kernels are bfloat16
+    # float32 runs fused where its linears took the packed kernel.
+    assert enable_fused_cpu_forward(fp32) == int(_kind(torch.float32) == "packed")
 
     unpacked = build_model(load_hf_config(src), src, torch.bfloat16, torch.device("cpu"))
-    assert enable_fused_cpu_forward(unpacked) == 0  # linears have not chosen the AMX kernel
+    assert enable_fused_cpu_forward(unpacked) == 0  # linears have not chosen their kernel
 
     from pagellm.layers.quantization import quantize_model
 
-    quantized = _bf16_model(tiny_model_dir, "llama")
+    quantized = build_model(load_hf_config(src), src, torch.bfloat16, torch.device("cpu"))
     quantize_model(quantized, "int8")
+    prepack_linears_for_cpu(quantized)
     assert enable_fused_cpu_forward(quantized) == 0
+    packed = _model(tiny_model_dir, "llama")
+    if packed.model.layers[0].mlp.down_proj.cpu_packed:  # not on AMX: plain weights there
+        with pytest.raises(ValueError, match="quantize before"):
+            quantize_model(packed, "int8")
 
     monkeypatch.setenv("PAGELLM_FUSED_CPU", "0")
-    assert enable_fused_cpu_forward(_bf16_model(tiny_model_dir, "llama")) == 0
+    assert enable_fused_cpu_forward(_model(tiny_model_dir, "llama")) == 0

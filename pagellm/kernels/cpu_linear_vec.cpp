@@ -1,0 +1,187 @@
+// Linear layers with AVX-512 vectors, y = x W^T (+ bias), for machines without AMX tiles
+// (bfloat16, with AVX512-BF16 dot products) and for float32 (FMAs), on weights packed once at
+// load time.
+//
+// Packed layout: the weight's output rows in blocks of 16, each block [K/2][16][2] (bfloat16:
+// the dot-product operand, 16 outputs x an input dim pair) or [K][16] (float32), blocks one
+// after another: the same size as the plain [N, K] weight. The micro-kernel is the outer-product
+// form of a GEMM: MR rows of x x NR blocks of 16 outputs in MR * NR float32 accumulators held in
+// registers over all of K, one broadcast input element (pair) per row meeting NR weight vectors
+// per step, so each step is NR loads and MR broadcasts for MR * NR fused products and the
+// results are stored as they are, 16 outputs at once. Each thread takes its own panels of NR
+// blocks (its weights stream from memory once per 256 rows of x; a panel stays in L2 while every
+// row group of x runs past it). Sums are float32; outputs are rounded to the dtype once.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cpu_common.h"
+
+namespace pagellm {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kMR = 8;  // rows of x per micro-kernel (the most: 8 x 3 accumulators)
+constexpr int kNR = 3;  // blocks of 16 outputs per micro-kernel
+constexpr int64_t kRowChunk = 256;  // rows of x kept in L2 while the weight panels stream past
+
+template <typename T>
+struct GemmOps;
+
+template <>
+struct GemmOps<float> {
+  static constexpr int64_t kPer = 1;  // input dims per step
+  static inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline __m512 bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static inline __m512 madd(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+
+#if defined(__AVX512BF16__)
+template <>
+struct GemmOps<uint16_t> {
+  static constexpr int64_t kPer = 2;
+  static inline __m512 load(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_loadu_si512(p));
+  }
+  static inline __m512 bcast(const uint16_t* p) {
+    int32_t pair;
+    std::memcpy(&pair, p, 4);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+  }
+  static inline __m512 madd(__m512 acc, __m512 w, __m512 x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
+  }
+};
+#endif
+
+// y rows [m0, m0 + MR) x outputs of blocks [nb, nb + NR).
+template <typename T, int MR, int NR>
+inline void micro(T* y, int64_t ldy, const T* x, int64_t lda, const T* wp, const T* bias,
+                  int64_t K, int64_t m0, int64_t nb) {
+  using Ops = GemmOps<T>;
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t block = K * 16;  // elements per packed block
+  const T* w0 = wp + nb * block;
+  const T* xr = x + m0 * lda;
+  for (int64_t k = 0; k < K; k += Ops::kPer) {
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = Ops::load(w0 + j * block + k * 16);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = Ops::bcast(xr + i * lda + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = Ops::madd(acc[i][j], wv[j], xv);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t n = (nb + j) * 16;
+    const __m512 b = bias ? load16(bias + n) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) store16(y + (m0 + i) * ldy + n, _mm512_add_ps(acc[i][j], b));
+  }
+}
+
+// All rows of one chunk against NR blocks from nb: groups of kMR rows, then the leftover rows.
+template <typename T, int NR>
+void panel(T* y, int64_t ldy, const T* x, int64_t lda, const T* wp, const T* bias, int64_t K,
+           int64_t m0, int64_t m1, int64_t nb) {
+  int64_t m = m0;
+  for (; m + kMR <= m1; m += kMR) micro<T, kMR, NR>(y, ldy, x, lda, wp, bias, K, m, nb);
+  switch (m1 - m) {
+    case 7: micro<T, 7, NR>(y, ldy, x, lda, wp, bias, K, m, nb); break;
+    case 6: micro<T, 6, NR>(y, ldy, x, lda, wp, bias, K, m, nb); break;
+    case 5: micro<T, 5, NR>(y, ldy, x, lda, wp, bias, K, m, nb); break;
+    case 4: micro<T, 4, NR>(y, ldy, x, lda, wp, bias, K, m, nb); break;
+    case 3: micro<T, 3, NR>(y, ldy, x, lda, wp, bias, K, m, nb); break;
+    case 2: micro<T, 2, NR>(y, ldy, x, lda, wp, bias, K, m, nb); break;
+    case 1: micro<T, 1, NR>(y, ldy, x, lda, wp, bias, K, m, nb); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void gemm(T* y, int64_t ldy, const T* x, int64_t lda, const T* wp, const T* bias, int64_t M,
+          int64_t N, int64_t K) {
+  const int64_t NB = N / 16, panels = (NB + kNR - 1) / kNR;
+#pragma omp parallel
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+    for (int64_t mc = 0; mc < M; mc += kRowChunk) {
+      const int64_t me = std::min(M, mc + kRowChunk);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t nb = p * kNR, nr = std::min<int64_t>(kNR, NB - nb);
+        if (nr == 3) panel<T, 3>(y, ldy, x, lda, wp, bias, K, mc, me, nb);
+        else if (nr == 2) panel<T, 2>(y, ldy, x, lda, wp, bias, K, mc, me, nb);
+        else panel<T, 1>(y, ldy, x, lda, wp, bias, K, mc, me, nb);
+      }
+    }
+  }
+}
+
+// w [N, K] -> the packed blocks (see the top of the file).
+template <typename T>
+void pack(T* dst, const T* w, int64_t N, int64_t K) {
+  constexpr int64_t per = GemmOps<T>::kPer;
+#pragma omp parallel for
+  for (int64_t nb = 0; nb < N / 16; ++nb) {
+    T* blk = dst + nb * K * 16;
+    for (int64_t k = 0; k < K; k += per)
+      for (int64_t n = 0; n < 16; ++n)
+        for (int64_t e = 0; e < per; ++e) blk[k * 16 + n * per + e] = w[(nb * 16 + n) * K + k + e];
+  }
+}
+#endif  // __AVX512F__
+
+}  // namespace
+}  // namespace pagellm
+
+extern "C" {
+
+// Whether pagellm_linear_packed takes this dtype (0 = float32, 1 = bfloat16) and a weight of N
+// outputs and K inputs here: N % 16 == 0 (and K even in bfloat16), AVX-512 (and AVX512-BF16).
+int pagellm_linear_packed_available(int dtype, int64_t N, int64_t K) {
+  if (N % 16 != 0 || K <= 0) return 0;
+#if defined(__AVX512F__)
+  if (dtype == 0) return 1;
+#if defined(__AVX512BF16__)
+  if (dtype == 1) return K % 2 == 0 ? 1 : 0;
+#endif
+#endif
+  return 0;
+}
+
+// dst (N * K elements) = the packed layout of w [N, K] contiguous.
+void pagellm_linear_pack(int dtype, void* dst, const void* w, int64_t N, int64_t K) {
+  using namespace pagellm;
+  if (!pagellm_linear_packed_available(dtype, N, K)) return;
+#if defined(__AVX512F__)
+  if (dtype == 0) pack(static_cast<float*>(dst), static_cast<const float*>(w), N, K);
+#if defined(__AVX512BF16__)
+  if (dtype == 1) pack(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(w), N, K);
+#endif
+#endif
+}
+
+// y [M, N] (row stride ldy) = x [M, K] (row stride lda) @ W^T + bias, all of the dtype, W given
+// packed (pagellm_linear_pack); bias may be null. Returns 0, doing nothing, where
+// pagellm_linear_packed_available is 0.
+int pagellm_linear_packed(int dtype, void* y, int64_t ldy, const void* x, int64_t lda,
+                          const void* wp, const void* bias, int64_t M, int64_t N, int64_t K) {
+  using namespace pagellm;
+  if (!pagellm_linear_packed_available(dtype, N, K)) return 0;
+#if defined(__AVX512F__)
+  if (dtype == 0)
+    gemm(static_cast<float*>(y), ldy, static_cast<const float*>(x), lda,
+         static_cast<const float*>(wp), static_cast<const float*>(bias), M, N, K);
+#if defined(__AVX512BF16__)
+  if (dtype == 1)
+    gemm(static_cast<uint16_t*>(y), ldy, static_cast<const uint16_t*>(x), lda,
+         static_cast<const uint16_t*>(wp), static_cast<const uint16_t*>(bias), M, N, K);
+#endif
+#endif
+  (void)y; (void)ldy; (void)x; (void)lda; (void)wp; (void)bias; (void)M;
+  return 1;
+}
+
+}  // extern "C"

@@ -1,0 +1,162 @@
+// The shared driver of the prefill attention kernels (cpu_prefill.cpp: AMX; cpu_prefill_vec.cpp:
+// AVX-512), and the bfloat16 K/V packing both use.
+//
+// A step's prefill chunks are attended in two parallel phases: first each (sequence, kv head)'s
+// K/V (its context and its own new rows, already in the cache) are gathered from the blocks into
+// a packed layout of the kernel's choosing, kKeyBlock keys per work item, keys past the context
+// zero; then each (sequence, kv head, 16 query rows) item runs every query head of the group
+// over the keys its last row may see, longest rows first.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace pagellm {
+
+struct PrefillSeq {
+  int64_t q_row;   // first query row in q / out
+  int64_t q_len;   // new rows of this chunk
+  int64_t ctx;     // tokens in the cache after this chunk (context + q_len)
+  int64_t bt_row;  // row of block_tables
+  int64_t packed;  // offset of its packed K/V (elements) in the workspace, per kv head
+};
+
+// The C entry point's arguments (pagellm_prefill_attention).
+struct PrefillArgs {
+  void* out;
+  int64_t out_stride;
+  const void* q;
+  int64_t q_stride;
+  const void* k_cache;
+  const void* v_cache;
+  const int32_t* block_tables;
+  int64_t bt_stride;
+  int64_t num_seqs;
+  const int64_t* q_rows;
+  const int32_t* q_lens;
+  const int32_t* ctx_lens;
+  const int64_t* bt_rows;
+  int64_t H, Hkv, D, block_size;
+  float scale;
+};
+
+// A token's K/V row in the cache: [block][slot][kv head][D].
+template <typename T>
+inline const T* cache_row(const T* cache, const int32_t* bt, int64_t tok, int64_t block_size,
+                          int64_t Hkv, int64_t D, int64_t h) {
+  const int64_t block = bt[tok / block_size];
+  return cache + ((block * block_size + tok % block_size) * Hkv + h) * D;
+}
+
+#if defined(__AVX512F__)
+// bfloat16 K of keys [k0, k0 + 16) as D/32 groups of [16 dim pairs][16 keys][2] (the VNNI
+// layout of a dot-product operand); keys at or past ctx are 0.
+inline void pack_k_bf16(uint16_t* dst, const uint16_t* k_cache, const int32_t* bt, int64_t k0,
+                        int64_t ctx, int64_t block_size, int64_t Hkv, int64_t D, int64_t h) {
+  __m512i r[16];
+  for (int64_t half = 0; half < D / 32; ++half) {
+    for (int64_t n = 0; n < 16; ++n) {
+      const int64_t tok = k0 + n;
+      r[n] = tok < ctx ? _mm512_loadu_si512(cache_row(k_cache, bt, tok, block_size, Hkv, D, h) +
+                                            half * 32)
+                       : _mm512_setzero_si512();
+    }
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + half * 512 + i * 32, r[i]);
+  }
+}
+
+// bfloat16 V of keys [k0, k0 + 32) as D/16 groups of [16 key pairs][16 dims][2]; keys past ctx
+// are 0.
+inline void pack_v_bf16(uint16_t* dst, const uint16_t* v_cache, const int32_t* bt, int64_t k0,
+                        int64_t ctx, int64_t block_size, int64_t Hkv, int64_t D, int64_t h) {
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t p = 0; p < 16; ++p) {
+    const int64_t t0 = k0 + 2 * p, t1 = t0 + 1;
+    const uint16_t* r0 = t0 < ctx ? cache_row(v_cache, bt, t0, block_size, Hkv, D, h) : nullptr;
+    const uint16_t* r1 = t1 < ctx ? cache_row(v_cache, bt, t1, block_size, Hkv, D, h) : nullptr;
+    for (int64_t dd = 0; dd < D / 16; ++dd) {
+      const __m256i a = r0 ? _mm256_loadu_si256((const __m256i*)(r0 + dd * 16)) : zero;
+      const __m256i b = r1 ? _mm256_loadu_si256((const __m256i*)(r1 + dd * 16)) : zero;
+      const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32(a),
+                                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+      _mm512_storeu_si512(dst + dd * 512 + p * 32, pair);
+    }
+  }
+}
+#endif
+
+// Runs the two phases with kernel K, which provides:
+//   using T;                               the element type
+//   static constexpr int64_t kKeyBlock;    keys packed per work item (packed keys round up to it)
+//   struct Thread;                         per-thread state of the attend phase (e.g. tiles)
+//   static void pack(const PrefillArgs&, const PrefillSeq&, T* kt, T* vt, int64_t k0, int64_t h)
+//       packs keys [k0, k0 + kKeyBlock) of kv head h at kt + k0 * D (K) and vt + k0 * D (V);
+//   static void attend(const PrefillArgs&, const PrefillSeq&, const T* kt, const T* vt,
+//                      int64_t r0, int64_t h)
+//       query rows [r0, r0 + 16) of the sequence, every head of kv head h's group.
+template <typename K>
+void run_prefill(const PrefillArgs& a) {
+  using T = typename K::T;
+  const int64_t D = a.D, Hkv = a.Hkv;
+  std::vector<PrefillSeq> seqs(a.num_seqs);
+  int64_t total = 0;
+  for (int64_t i = 0; i < a.num_seqs; ++i) {
+    const int64_t keys = (a.ctx_lens[i] + K::kKeyBlock - 1) / K::kKeyBlock * K::kKeyBlock;
+    seqs[i] = PrefillSeq{a.q_rows[i], a.q_lens[i], a.ctx_lens[i], a.bt_rows[i], total};
+    total += keys * D * 2 * Hkv;  // K then V, per kv head
+  }
+  static thread_local std::vector<T> ws;
+  if (ws.size() < static_cast<size_t>(total)) ws.resize(total);
+  T* packed = ws.data();
+  // Work items: sequence * 2^40 + kv head * 2^32 + block (of kKeyBlock keys / 16 query rows).
+  std::vector<int64_t> pack_items, attend_items;
+  for (int64_t i = 0; i < a.num_seqs; ++i)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t b = 0; b < (seqs[i].ctx + K::kKeyBlock - 1) / K::kKeyBlock; ++b)
+        pack_items.push_back((i << 40) | (h << 32) | b);
+      for (int64_t b = 0; b < (seqs[i].q_len + 15) / 16; ++b)
+        attend_items.push_back((i << 40) | (h << 32) | b);
+    }
+  // Longest rows first: late rows of a long chunk see the most keys.
+  std::sort(attend_items.begin(), attend_items.end(), [&](int64_t x, int64_t y) {
+    const PrefillSeq& sx = seqs[x >> 40];
+    const PrefillSeq& sy = seqs[y >> 40];
+    return sx.ctx - sx.q_len + (x & 0xffffffff) * 16 > sy.ctx - sy.q_len + (y & 0xffffffff) * 16;
+  });
+  auto bases = [&](const PrefillSeq& s, int64_t h) {
+    const int64_t keys = (s.ctx + K::kKeyBlock - 1) / K::kKeyBlock * K::kKeyBlock;
+    T* kt = packed + s.packed + h * keys * D * 2;
+    return std::pair<T*, T*>(kt, kt + keys * D);
+  };
+  const int64_t n_pack = pack_items.size(), n_attend = attend_items.size();
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < n_pack; ++it) {
+      const PrefillSeq& s = seqs[pack_items[it] >> 40];
+      const int64_t h = (pack_items[it] >> 32) & 0xff, b = pack_items[it] & 0xffffffff;
+      const auto [kt, vt] = bases(s, h);
+      K::pack(a, s, kt, vt, b * K::kKeyBlock, h);
+    }
+    [[maybe_unused]] typename K::Thread thread_state;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_attend; ++it) {
+      const PrefillSeq& s = seqs[attend_items[it] >> 40];
+      const int64_t h = (attend_items[it] >> 32) & 0xff, b = attend_items[it] & 0xffffffff;
+      const auto [kt, vt] = bases(s, h);
+      K::attend(a, s, kt, vt, b * 16, h);
+    }
+  }
+}
+
+// The AVX-512 kernels (cpu_prefill_vec.cpp): dtype 0 = float32, 1 = bfloat16 (AVX512-BF16).
+bool prefill_vec_supported(int dtype, int64_t head_dim);
+void prefill_attention_vec(int dtype, const PrefillArgs& a);
+
+}  // namespace pagellm
