@@ -39,6 +39,11 @@ struct PrefetchSlices {
     for (int64_t l = part * per; l < std::min(lines, (part + 1) * per); ++l)
       __builtin_prefetch(c + l * 64, 0, 3);
   }
+  void to_l2(const void* p, int64_t part) const {
+    const char* c = static_cast<const char*>(p);
+    for (int64_t l = part * per; l < std::min(lines, (part + 1) * per); ++l)
+      _mm_prefetch(c + l * 64, _MM_HINT_T1);
+  }
 };
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -487,11 +492,15 @@ void paged_attention(typename C::T* out, int64_t out_stride, const typename C::T
         for (int64_t b = 0; b < nblocks; ++b) {
           const T* kb = k_cache + bt[b] * block_elems;
           const T* kn = b + PF < nblocks ? k_cache + bt[b + PF] * block_elems : nullptr;
+          // This block's V goes to L2 meanwhile, for pass 2 (more misses in flight: the scores
+          // pass 0.88-0.96x the time with blocks scattered over a pool far larger than L3).
+          const T* vl2 = v_cache + bt[b] * block_elems;
           const int64_t t0 = b * block_size;
           const int64_t n = std::min(L - t0, block_size);
           for (int64_t j0 = 0; j0 < n; j0 += 16)
             for (int64_t h = 0; h < H; ++h) {
               if (kn != nullptr && j0 == 0) slices_per_head(kn, h);
+              if (j0 == 0) slices_per_head.to_l2(vl2, h);
               block_scores(scores.data() + h * L + t0 + j0, qrow + h * D,
                               kb + j0 * row + (h / G) * D, row, std::min<int64_t>(16, n - j0), D,
                               scale);
