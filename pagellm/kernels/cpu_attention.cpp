@@ -512,28 +512,12 @@ void paged_attention(typename C::T* out, int64_t out_stride, const typename C::T
       for (int64_t b = 0; b < std::min<int64_t>(PF, nblocks); ++b)
         prefetch_bytes(v_cache + bt[b] * block_elems, block_bytes);
       std::fill(acc.begin(), acc.end(), 0.f);
+      // p as bfloat16 [head][token] (row length even) where the pairs serve.
+      const int64_t Lp = L + (L & 1);
       if (pairs != nullptr) {
-        // p as bfloat16 [head][token], row length even.
-        const int64_t Lp = L + (L & 1);
         pbuf.resize(H * Lp);
         for (int64_t h = 0; h < H; ++h)
           to_bf16_row(pbuf.data() + h * Lp, scores.data() + h * L, L);
-        for (int64_t b = 0; b < nblocks; ++b) {
-          const T* vb = v_cache + bt[b] * block_elems;
-          const T* vn = b + PF < nblocks ? v_cache + bt[b + PF] * block_elems : nullptr;
-          const int64_t t0 = b * block_size;
-          const int64_t n = std::min(L - t0, block_size);
-          for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-            if (vn != nullptr) slices_per_kv_head(vn, kvh);
-            pairs(acc.data() + kvh * G * D, pbuf.data() + kvh * G * Lp + t0, Lp,
-                  reinterpret_cast<const uint16_t*>(vb + kvh * D), row, n);
-          }
-        }
-        T* orow = out + token_rows[item] * out_stride;
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t k = 0; k < D; ++k)
-            orow[h * D + pair_acc_dim(k)] = C::store(acc[h * D + k] * inv[h]);
-        continue;
       }
       for (int64_t b = 0; b < nblocks; ++b) {
         const T* vb = v_cache + bt[b] * block_elems;
@@ -544,13 +528,21 @@ void paged_attention(typename C::T* out, int64_t out_stride, const typename C::T
           if (vn != nullptr) slices_per_kv_head(vn, kvh);
           float* a = acc.data() + kvh * G * D;
           const float* p = scores.data() + kvh * G * pg + t0 * pj;
-          if (accumulate != nullptr) accumulate(a, p, pg, pj, vb + kvh * D, row, n);
-          else accumulate_block_generic(a, p, pg, pj, G, vb + kvh * D, row, n, D);
+          if (pairs != nullptr)
+            pairs(a, pbuf.data() + kvh * G * Lp + t0, Lp,
+                  reinterpret_cast<const uint16_t*>(vb + kvh * D), row, n);
+          else if (accumulate != nullptr)
+            accumulate(a, p, pg, pj, vb + kvh * D, row, n);
+          else
+            accumulate_block_generic(a, p, pg, pj, G, vb + kvh * D, row, n, D);
         }
       }
+      // The pairs' accumulators hold the dims permuted (pair_acc_dim).
       T* orow = out + token_rows[item] * out_stride;
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t d = 0; d < D; ++d) orow[h * D + d] = C::store(acc[h * D + d] * inv[h]);
+        for (int64_t k = 0; k < D; ++k)
+          orow[h * D + (pairs != nullptr ? pair_acc_dim(k) : k)] =
+              C::store(acc[h * D + k] * inv[h]);
     }
   }
 }

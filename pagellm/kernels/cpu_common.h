@@ -135,6 +135,38 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
 }
 
+// The AVX-512 kernels' dot-product operands: a vector of 16 float32, or of 16 bfloat16 pairs
+// (AVX512-BF16); madd adds the products of a and b (pair by pair) to float32 lanes. kPer is the
+// elements one lane holds, bcast puts one lane's worth of p in every lane.
+template <typename T>
+struct VecOps;
+
+template <>
+struct VecOps<float> {
+  static constexpr int64_t kPer = 1;
+  static inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline __m512 bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static inline __m512 madd(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+};
+
+#if defined(__AVX512BF16__)
+template <>
+struct VecOps<uint16_t> {
+  static constexpr int64_t kPer = 2;
+  static inline __m512 load(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_loadu_si512(p));
+  }
+  static inline __m512 bcast(const uint16_t* p) {
+    int32_t pair;
+    std::memcpy(&pair, p, 4);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+  }
+  static inline __m512 madd(__m512 acc, __m512 a, __m512 b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+  }
+};
+#endif
+
 inline __m512 round_bf16x16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(x)), 16));
 }

@@ -26,40 +26,11 @@ constexpr int kMR = 8;  // rows of x per micro-kernel (the most: 8 x 3 accumulat
 constexpr int kNR = 3;  // blocks of 16 outputs per micro-kernel
 constexpr int64_t kRowChunk = 256;  // rows of x kept in L2 while the weight panels stream past
 
-template <typename T>
-struct GemmOps;
-
-template <>
-struct GemmOps<float> {
-  static constexpr int64_t kPer = 1;  // input dims per step
-  static inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
-  static inline __m512 bcast(const float* p) { return _mm512_set1_ps(*p); }
-  static inline __m512 madd(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
-};
-
-#if defined(__AVX512BF16__)
-template <>
-struct GemmOps<uint16_t> {
-  static constexpr int64_t kPer = 2;
-  static inline __m512 load(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_loadu_si512(p));
-  }
-  static inline __m512 bcast(const uint16_t* p) {
-    int32_t pair;
-    std::memcpy(&pair, p, 4);
-    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
-  }
-  static inline __m512 madd(__m512 acc, __m512 w, __m512 x) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
-  }
-};
-#endif
-
 // y rows [m0, m0 + MR) x outputs of blocks [nb, nb + NR).
 template <typename T, int MR, int NR>
 inline void micro(T* y, int64_t ldy, const T* x, int64_t lda, const T* wp, const T* bias,
                   int64_t K, int64_t m0, int64_t nb) {
-  using Ops = GemmOps<T>;
+  using Ops = VecOps<T>;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -122,7 +93,7 @@ void gemm(T* y, int64_t ldy, const T* x, int64_t lda, const T* wp, const T* bias
 // w [N, K] -> the packed blocks (see the top of the file).
 template <typename T>
 void pack(T* dst, const T* w, int64_t N, int64_t K) {
-  constexpr int64_t per = GemmOps<T>::kPer;
+  constexpr int64_t per = VecOps<T>::kPer;
 #pragma omp parallel for
   for (int64_t nb = 0; nb < N / 16; ++nb) {
     T* blk = dst + nb * K * 16;

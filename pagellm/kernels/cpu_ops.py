@@ -134,22 +134,33 @@ def linear_supports(weight: torch.Tensor) -> bool:
             and _library() is not None and bool(_lib.pagellm_linear_available()))
 
 
+def _linear_call(call, x: torch.Tensor, n: int, k: int, dtype: torch.dtype,
+                 bias: torch.Tensor | None, what: str) -> torch.Tensor:
+    """``x [..., k]`` -> a new ``[..., n]`` of ``dtype`` from ``call(out, ldy, x, lda, bias,
+    rows)``, a kernel answering 0 where it cannot run (``what``: its wrapper's name, whose
+    ``*_supports`` check the caller skipped then)."""
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out = torch.empty((*x.shape[:-1], n), dtype=dtype)
+    if bias is not None:
+        bias = bias.contiguous()  # held until the call returns
+    if rows and not call(out.data_ptr(), n, x2.data_ptr(), x2.stride(0), ptr(bias), rows):
+        raise RuntimeError(f"cpu_ops.{what} cannot take this weight here (check "
+                           f"{what}_supports first)")
+    return out
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` in bfloat16 with AMX, the weight read in place (see
     ``cpu_linear.cpp``); ``weight`` must pass ``linear_supports``, ``x [..., K]`` be bfloat16
     with unit stride in its last dimension."""
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    rows = x2.shape[0]
-    out = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
-    if bias is not None:
-        bias = bias.contiguous()  # held until the call returns
-    if rows and not _library().pagellm_linear(out.data_ptr(), n, x2.data_ptr(), x2.stride(0),
-                                              weight.data_ptr(), ptr(bias), rows, n, k):
-        raise RuntimeError("cpu_ops.linear needs AMX (check linear_supports first)")
-    return out
+    return _linear_call(
+        lambda y, ldy, xp, lda, b, rows: _library().pagellm_linear(
+            y, ldy, xp, lda, weight.data_ptr(), b, rows, n, k),
+        x, n, k, torch.bfloat16, bias, "linear")
 
 
 def linear_packed_supports(weight: torch.Tensor) -> bool:
@@ -179,19 +190,11 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     ``cpu_linear_vec.cpp``); ``x [..., K]`` and ``bias`` of its dtype, ``x`` unit stride in its
     last dimension."""
     n, k = packed.shape[0] * 16, packed.shape[1] // 16
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    rows = x2.shape[0]
-    out = torch.empty((*x.shape[:-1], n), dtype=packed.dtype)
-    if bias is not None:
-        bias = bias.contiguous()  # held until the call returns
-    if rows and not _library().pagellm_linear_packed(
-            _DTYPE_CODES[packed.dtype], out.data_ptr(), n, x2.data_ptr(), x2.stride(0),
-            packed.data_ptr(), ptr(bias), rows, n, k):
-        raise RuntimeError("cpu_ops.linear_packed cannot take this weight here (check "
-                           "linear_packed_supports first)")
-    return out
+    code = _DTYPE_CODES[packed.dtype]
+    return _linear_call(
+        lambda y, ldy, xp, lda, b, rows: _library().pagellm_linear_packed(
+            code, y, ldy, xp, lda, packed.data_ptr(), b, rows, n, k),
+        x, n, k, packed.dtype, bias, "linear_packed")
 
 
 def llama_forward(layers: ctypes.Array, shape: LlamaShape, step: ForwardStep) -> None:

@@ -173,7 +173,7 @@ struct AmxKernel {
     const auto* vc = static_cast<const uint16_t*>(a.v_cache);
     const int32_t* bt = a.block_tables + s.bt_row * a.bt_stride;
     for (int64_t k = k0; k < k0 + 32; k += 16)
-      pack_k_bf16(kt + k * a.D, kc, bt, k, s.ctx, a.block_size, a.Hkv, a.D, h);
+      pack_k_lanes(kt + k * a.D, kc, bt, k, s.ctx, a.block_size, a.Hkv, a.D, h);
     pack_v_bf16(vt + k0 * a.D, vc, bt, k0, s.ctx, a.block_size, a.Hkv, a.D, h);
   }
   static void attend(const PrefillArgs& a, const PrefillSeq& s, const T* kt, const T* vt,

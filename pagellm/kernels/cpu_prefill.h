@@ -54,20 +54,23 @@ inline const T* cache_row(const T* cache, const int32_t* bt, int64_t tok, int64_
 }
 
 #if defined(__AVX512F__)
-// bfloat16 K of keys [k0, k0 + 16) as D/32 groups of [16 dim pairs][16 keys][2] (the VNNI
-// layout of a dot-product operand); keys at or past ctx are 0.
-inline void pack_k_bf16(uint16_t* dst, const uint16_t* k_cache, const int32_t* bt, int64_t k0,
-                        int64_t ctx, int64_t block_size, int64_t Hkv, int64_t D, int64_t h) {
+// K of keys [k0, k0 + 16) with the dims outermost: for each 64 bytes of a K row (32 bfloat16
+// = 16 dim pairs, or 16 float32 dims), 16 rows of 64 bytes, row i holding pair (dim) i of the
+// 16 keys: in bfloat16 the VNNI layout of a dot-product operand. Keys at or past ctx are 0.
+template <typename T>
+inline void pack_k_lanes(T* dst, const T* k_cache, const int32_t* bt, int64_t k0, int64_t ctx,
+                         int64_t block_size, int64_t Hkv, int64_t D, int64_t h) {
+  constexpr int64_t W = 64 / sizeof(T);  // elements per 64 bytes
   __m512i r[16];
-  for (int64_t half = 0; half < D / 32; ++half) {
+  for (int64_t c = 0; c < D / W; ++c) {
     for (int64_t n = 0; n < 16; ++n) {
       const int64_t tok = k0 + n;
       r[n] = tok < ctx ? _mm512_loadu_si512(cache_row(k_cache, bt, tok, block_size, Hkv, D, h) +
-                                            half * 32)
+                                            c * W)
                        : _mm512_setzero_si512();
     }
     transpose16(r);
-    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + half * 512 + i * 32, r[i]);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (c * 16 + i) * W, r[i]);
   }
 }
 

@@ -25,17 +25,13 @@ constexpr int64_t kStep = 64;  // keys per softmax step (4 vectors of scores per
 constexpr int kRows = 4;       // query rows per pass
 constexpr int64_t kMaxD = 256;
 
-// The element type's packed operands: a unit is one dim (float32) or a dim pair (bfloat16) of
-// K, one key (float32) or a key pair (bfloat16) of V.
+// The element type's operands (VecOps) and where the packed V of a step lies: a unit is one
+// key (float32) or a key pair (bfloat16) of V.
 template <typename T>
 struct Vec;
 
 template <>
-struct Vec<float> {
-  static constexpr int64_t kPer = 1;
-  static inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
-  static inline __m512 bcast(const float* p) { return _mm512_set1_ps(*p); }
-  static inline __m512 madd(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+struct Vec<float> : VecOps<float> {
   static inline void store_p(float* dst, __m512 p) { _mm512_store_ps(dst, p); }
   // V of key unit w of the step starting at k0, dims [16 dd, 16 dd + 16): V is [keys][D].
   static inline const float* v_at(const float* vt, int64_t k0, int64_t D, int64_t w,
@@ -46,19 +42,7 @@ struct Vec<float> {
 
 #if defined(__AVX512BF16__)
 template <>
-struct Vec<uint16_t> {
-  static constexpr int64_t kPer = 2;
-  static inline __m512 load(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_loadu_si512(p));
-  }
-  static inline __m512 bcast(const uint16_t* p) {
-    int32_t pair;
-    std::memcpy(&pair, p, 4);
-    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
-  }
-  static inline __m512 madd(__m512 acc, __m512 a, __m512 b) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-  }
+struct Vec<uint16_t> : VecOps<uint16_t> {
   static inline void store_p(uint16_t* dst, __m512 p) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(dst), to_bf16x16(p));
   }
@@ -69,22 +53,6 @@ struct Vec<uint16_t> {
   }
 };
 #endif
-
-// float32 K of keys [k0, k0 + 16) as [D][16 keys]; keys at or past ctx are 0.
-void pack_k_f32(float* dst, const float* k_cache, const int32_t* bt, int64_t k0, int64_t ctx,
-                int64_t block_size, int64_t Hkv, int64_t D, int64_t h) {
-  __m512i r[16];
-  for (int64_t c = 0; c < D / 16; ++c) {
-    for (int64_t n = 0; n < 16; ++n) {
-      const int64_t tok = k0 + n;
-      r[n] = tok < ctx ? _mm512_loadu_si512(cache_row(k_cache, bt, tok, block_size, Hkv, D, h) +
-                                            c * 16)
-                       : _mm512_setzero_si512();
-    }
-    transpose16(r);
-    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (c * 16 + i) * 16, r[i]);
-  }
-}
 
 // o[i][16 (dd0 + c) ...] = o * alpha[i] + P[i] . V for NC dim blocks from dd0.
 template <typename T, int NC>
@@ -215,52 +183,37 @@ void attend_rows(const PrefillArgs& a, const PrefillSeq& s, const T* kt, const T
   }
 }
 
-struct VecF32Kernel {
-  using T = float;
+// The driver's kernel (cpu_prefill.h) for float32 or bfloat16.
+template <typename E>
+struct VecKernel {
+  using T = E;
   static constexpr int64_t kKeyBlock = kStep;
   struct Thread {};
   static void pack(const PrefillArgs& a, const PrefillSeq& s, T* kt, T* vt, int64_t k0,
                    int64_t h) {
-    const auto* kc = static_cast<const float*>(a.k_cache);
-    const auto* vc = static_cast<const float*>(a.v_cache);
+    const auto* kc = static_cast<const T*>(a.k_cache);
+    const auto* vc = static_cast<const T*>(a.v_cache);
     const int32_t* bt = a.block_tables + s.bt_row * a.bt_stride;
     for (int64_t k = k0; k < k0 + kStep; k += 16)
-      pack_k_f32(kt + k * a.D, kc, bt, k, s.ctx, a.block_size, a.Hkv, a.D, h);
-    for (int64_t k = k0; k < k0 + kStep; ++k) {
-      float* dst = vt + k * a.D;
-      if (k < s.ctx)
-        std::memcpy(dst, cache_row(vc, bt, k, a.block_size, a.Hkv, a.D, h), a.D * sizeof(T));
-      else
-        std::memset(dst, 0, a.D * sizeof(T));
+      pack_k_lanes(kt + k * a.D, kc, bt, k, s.ctx, a.block_size, a.Hkv, a.D, h);
+    if constexpr (sizeof(T) == 2) {
+      for (int64_t k = k0; k < k0 + kStep; k += 32)
+        pack_v_bf16(vt + k * a.D, vc, bt, k, s.ctx, a.block_size, a.Hkv, a.D, h);
+    } else {
+      for (int64_t k = k0; k < k0 + kStep; ++k) {  // V as stored, [keys][D]
+        T* dst = vt + k * a.D;
+        if (k < s.ctx)
+          std::memcpy(dst, cache_row(vc, bt, k, a.block_size, a.Hkv, a.D, h), a.D * sizeof(T));
+        else
+          std::memset(dst, 0, a.D * sizeof(T));
+      }
     }
   }
   static void attend(const PrefillArgs& a, const PrefillSeq& s, const T* kt, const T* vt,
                      int64_t r0, int64_t h) {
-    attend_rows<float>(a, s, kt, vt, r0, h);
+    attend_rows<T>(a, s, kt, vt, r0, h);
   }
 };
-
-#if defined(__AVX512BF16__)
-struct VecBF16Kernel {
-  using T = uint16_t;
-  static constexpr int64_t kKeyBlock = kStep;
-  struct Thread {};
-  static void pack(const PrefillArgs& a, const PrefillSeq& s, T* kt, T* vt, int64_t k0,
-                   int64_t h) {
-    const auto* kc = static_cast<const uint16_t*>(a.k_cache);
-    const auto* vc = static_cast<const uint16_t*>(a.v_cache);
-    const int32_t* bt = a.block_tables + s.bt_row * a.bt_stride;
-    for (int64_t k = k0; k < k0 + kStep; k += 16)
-      pack_k_bf16(kt + k * a.D, kc, bt, k, s.ctx, a.block_size, a.Hkv, a.D, h);
-    for (int64_t k = k0; k < k0 + kStep; k += 32)
-      pack_v_bf16(vt + k * a.D, vc, bt, k, s.ctx, a.block_size, a.Hkv, a.D, h);
-  }
-  static void attend(const PrefillArgs& a, const PrefillSeq& s, const T* kt, const T* vt,
-                     int64_t r0, int64_t h) {
-    attend_rows<uint16_t>(a, s, kt, vt, r0, h);
-  }
-};
-#endif
 #endif  // __AVX512F__
 
 }  // namespace
@@ -279,9 +232,9 @@ bool prefill_vec_supported(int dtype, int64_t head_dim) {
 
 void prefill_attention_vec(int dtype, const PrefillArgs& a) {
 #if defined(__AVX512F__)
-  if (dtype == 0) run_prefill<VecF32Kernel>(a);
+  if (dtype == 0) run_prefill<VecKernel<float>>(a);
 #if defined(__AVX512BF16__)
-  if (dtype == 1) run_prefill<VecBF16Kernel>(a);
+  if (dtype == 1) run_prefill<VecKernel<uint16_t>>(a);
 #endif
 #else
   (void)dtype;
