@@ -42,7 +42,7 @@ struct PrefetchSlices {
   void to_l2(const void* p, int64_t part) const {
     const char* c = static_cast<const char*>(p);
     for (int64_t l = part * per; l < std::min(lines, (part + 1) * per); ++l)
-      _mm_prefetch(c + l * 64, _MM_HINT_T1);
+      __builtin_prefetch(c + l * 64, 0, 2);  // T1: into L2
   }
 };
 inline void prefetch_bytes(const void* p, int64_t bytes) {
