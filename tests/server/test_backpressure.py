@@ -9,17 +9,21 @@ import httpx
 import pytest
 from server_utils import ServerProcess, metric, scrape, wait_until
 
-# One running sequence plus two waiting ones fit; a fourth sequence is refused.
-ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8MiB",
+# One running sequence plus two waiting ones fit; a fourth sequence is refused. The long
+# requests must outlast the checks: with a 256-token context the tiny model finished one in a
+# fraction of a second on a fast CPU, freeing a queue slot before the last check (seen in CI),
+# so the model gets a 4,096-token context (the streams are disconnected, never run out).
+ARGS = ["--dtype", "float32", "--max-model-len", "4096", "--kv-cache-memory", "8MiB",
         "--max-num-seqs", "1", "--max-num-batched-tokens", "64", "--max-waiting-requests", "2"]
-LONG = {"prompt": "hello", "max_tokens": 250, "ignore_eos": True, "temperature": 0,
+LONG = {"prompt": "hello", "max_tokens": 4000, "ignore_eos": True, "temperature": 0,
         "stream": True}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_llama_dir):
-    log = tmp_path_factory.mktemp("backpressure") / "server.log"
-    srv = ServerProcess([str(tiny_llama_dir), *ARGS], log)
+def server(tmp_path_factory, make_tiny_model):
+    root = tmp_path_factory.mktemp("backpressure")
+    model = make_tiny_model(root / "model", "llama", max_position_embeddings=4096)
+    srv = ServerProcess([str(model), *ARGS], root / "server.log")
     yield srv
     srv.stop()
 

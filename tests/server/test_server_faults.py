@@ -16,7 +16,9 @@ from server_utils import ServerProcess, metric, scrape, wait_until
 from pagellm.engine.core import MAX_CONSECUTIVE_STEP_FAILURES
 
 POISON = 7
-ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "16MiB",
+# A 4,096-token context: the long stream must still be running when the poisoned request
+# comes; with 256 the tiny model can finish it first on a fast CPU.
+ARGS = ["--dtype", "float32", "--max-model-len", "4096", "--kv-cache-memory", "16MiB",
         "--enable-prefix-caching", "--max-num-seqs", "8", "--disable-log-stats"]
 GOOD = [10, 20, 30, 40] * 6
 BAD = [11, 12, POISON, 13] * 4
@@ -25,9 +27,15 @@ LOGGED_PROMPT = "zebra quokka 7781 marmalade"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_llama_dir):
+def long_context_llama(tmp_path_factory, make_tiny_model):
+    return make_tiny_model(tmp_path_factory.mktemp("faults-model"), "llama",
+                           max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, long_context_llama):
     log = tmp_path_factory.mktemp("faults") / "server.log"
-    srv = ServerProcess([str(tiny_llama_dir), *ARGS, "--enable-log-requests"], log,
+    srv = ServerProcess([str(long_context_llama), *ARGS, "--enable-log-requests"], log,
                         env={"PAGELLM_FAULT_INJECT": f"forward:{POISON}"})
     yield srv
     srv.stop()
@@ -107,7 +115,7 @@ def test_requests_sharing_the_failed_step_fail_too_and_nothing_hangs(server):
     result: dict = {}
 
     def long_stream():
-        result["events"] = stream_events(base, {"prompt": [5, 6, 8, 9] * 10, "max_tokens": 200,
+        result["events"] = stream_events(base, {"prompt": [5, 6, 8, 9] * 10, "max_tokens": 4000,
                                                 "temperature": 0, "ignore_eos": True},
                                          started=started)
 
@@ -128,8 +136,8 @@ def test_enable_log_requests_logs_the_prompt(server):
     assert wait_until(lambda: LOGGED_PROMPT in server.log(), 10)
 
 
-def test_failed_steps_in_a_row_stop_the_server(tmp_path, tiny_llama_dir):
-    srv = ServerProcess([str(tiny_llama_dir), *ARGS], tmp_path / "server.log",
+def test_failed_steps_in_a_row_stop_the_server(tmp_path, long_context_llama):
+    srv = ServerProcess([str(long_context_llama), *ARGS], tmp_path / "server.log",
                         env={"PAGELLM_FAULT_INJECT": f"before:{POISON}"})
     try:
         base = srv.base_url
