@@ -34,16 +34,15 @@ struct PrefetchSlices {
   int64_t lines, per;
   PrefetchSlices(int64_t bytes, int64_t parts)
       : lines((bytes + 63) / 64), per(((bytes + 63) / 64 + parts - 1) / parts) {}
-  void operator()(const void* p, int64_t part) const {
+  // Locality 3 (T0) into L1, 2 (T1) into L2.
+  template <int Locality = 3>
+  void fetch(const void* p, int64_t part) const {
     const char* c = static_cast<const char*>(p);
     for (int64_t l = part * per; l < std::min(lines, (part + 1) * per); ++l)
-      __builtin_prefetch(c + l * 64, 0, 3);
+      __builtin_prefetch(c + l * 64, 0, Locality);
   }
-  void to_l2(const void* p, int64_t part) const {
-    const char* c = static_cast<const char*>(p);
-    for (int64_t l = part * per; l < std::min(lines, (part + 1) * per); ++l)
-      __builtin_prefetch(c + l * 64, 0, 2);  // T1: into L2
-  }
+  void operator()(const void* p, int64_t part) const { fetch<3>(p, part); }
+  void to_l2(const void* p, int64_t part) const { fetch<2>(p, part); }
 };
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -239,30 +238,22 @@ void block_scores(float* out, const typename C::T* q, const typename C::T* kb, i
 
 #if defined(__AVX512F__)
 // block_scores with head_dim = NV vectors (32 dims each in bfloat16, 16 in float32) fixed at
-// compile time: q held in registers, the dot products unrolled.
+// compile time: q held in registers, the dot products unrolled (VecOps: bfloat16 needs
+// AVX512-BF16, pick_scores asks for it).
 template <typename C, int NV>
 void block_scores_fixed(float* out, const typename C::T* q, const typename C::T* kb, int64_t row,
                         int64_t n, int64_t D, float scale) {
   using T = typename C::T;
-  constexpr int64_t W = sizeof(T) == 2 ? 32 : 16;  // elements per vector
+  using Ops = VecOps<T>;
+  constexpr int64_t W = 16 * Ops::kPer;  // elements per vector
   (void)D;
   __m512 qv[NV];
-  auto load = [](const T* p) {
-    if constexpr (sizeof(T) == 2) return _mm512_castsi512_ps(_mm512_loadu_si512(p));
-    else return _mm512_loadu_ps(p);
-  };
-  auto madd = [](__m512 acc, __m512 a, __m512 b) {
-#if defined(__AVX512BF16__)
-    if constexpr (sizeof(T) == 2) return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-#endif
-    return _mm512_fmadd_ps(a, b, acc);
-  };
-  for (int c = 0; c < NV; ++c) qv[c] = load(q + c * W);
+  for (int c = 0; c < NV; ++c) qv[c] = Ops::load(q + c * W);
   __m512 lanes[16];
   for (int64_t j = 0; j < 16; ++j) {
     __m512 acc = _mm512_setzero_ps();
     if (j < n)
-      for (int c = 0; c < NV; ++c) acc = madd(acc, qv[c], load(kb + j * row + c * W));
+      for (int c = 0; c < NV; ++c) acc = Ops::madd(acc, qv[c], Ops::load(kb + j * row + c * W));
     lanes[j] = acc;
   }
   const __m512 r = _mm512_mul_ps(hsum16(lanes), _mm512_set1_ps(scale));
@@ -280,12 +271,16 @@ template <typename C>
 ScoresFn<C> pick_scores(int64_t D) {
 #if defined(__AVX512F__)
   constexpr bool bf16 = sizeof(typename C::T) == 2;
-#if !defined(__AVX512BF16__)
-  if (bf16) return &block_scores<C>;
+#if defined(__AVX512BF16__)
+  constexpr bool vec = true;
+#else
+  constexpr bool vec = !bf16;
 #endif
-  constexpr int64_t W = bf16 ? 32 : 16;
-  if (D == 64) return &block_scores_fixed<C, 64 / W>;
-  if (D == 128) return &block_scores_fixed<C, 128 / W>;
+  if constexpr (vec) {
+    constexpr int64_t W = bf16 ? 32 : 16;
+    if (D == 64) return &block_scores_fixed<C, 64 / W>;
+    if (D == 128) return &block_scores_fixed<C, 128 / W>;
+  }
 #endif
   (void)D;
   return &block_scores<C>;

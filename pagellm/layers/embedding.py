@@ -14,7 +14,7 @@ from torch import nn
 from pagellm.distributed.communication import all_gather, tensor_model_parallel_all_reduce
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagellm.kernels import cpu_ops
-from pagellm.layers.linear import CPU_PACKED_DTYPES, amx_max_numel
+from pagellm.layers.linear import amx_max_numel, cpu_matmul_kind
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -85,20 +85,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         ``cpu_ops.linear_packed`` where that takes it, else a copy in oneDNN's blocked layout
         (bit-identical to ``F.linear`` in bfloat16). The weight itself stays: a tied embedding
         still looks rows up in it. Returns whether anything changed."""
-        w = self.weight
-        if (w.device.type != "cpu" or w.dtype not in CPU_PACKED_DTYPES
-                or (self.bias is not None and self.bias.dtype != w.dtype)):
-            return False
-        self.amx_max_numel = amx_max_numel(w.data, self.bias)
-        if self.amx_max_numel:
-            return True
-        if cpu_ops.linear_packed_supports(w.data):
-            self.vec_packed_weight = cpu_ops.linear_pack(w.data)
-            return True
-        if not torch.backends.mkldnn.is_available():
-            return False
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.data)
-        return True
+        w = self.weight.data
+        kind = cpu_matmul_kind(w, self.bias)
+        if kind == "amx":
+            self.amx_max_numel = amx_max_numel(w, self.bias)
+        elif kind == "packed":
+            self.vec_packed_weight = cpu_ops.linear_pack(w)
+        elif kind == "onednn":
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w)
+        return kind is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         packed = getattr(self, "packed_weight", None)

@@ -46,6 +46,24 @@ def amx_max_numel(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
     return 0
 
 
+def cpu_matmul_kind(weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """How a loaded CPU weight is best multiplied (``prepack_for_cpu_`` of the linears and the
+    LM head): "amx" (``cpu_ops.linear`` on the weight as it is, up to ``amx_max_numel``),
+    "packed" (``cpu_ops.linear_packed`` on ``cpu_ops.linear_pack``'s copy), "onednn" (torch's
+    matmul on oneDNN's blocked layout), or None (left to ``F.linear``: other devices and dtypes,
+    weights already packed, a bias of another dtype)."""
+    if (weight.is_mkldnn or weight.device.type != "cpu"
+            or weight.dtype not in CPU_PACKED_DTYPES):
+        return None
+    if amx_max_numel(weight, bias):
+        return "amx"
+    if bias is not None and bias.dtype != weight.dtype:
+        return None
+    if cpu_ops.linear_packed_supports(weight):
+        return "packed"
+    return "onednn" if torch.backends.mkldnn.is_available() else None
+
+
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator != 0:
         raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size "
@@ -114,26 +132,19 @@ class LinearBase(nn.Module):
         everything but its matmul: it can no longer be loaded or quantized. Returns whether
         anything changed.
         """
-        if self.quant_method is not None:  # quantized layers have no float weight left
+        if self.quant_method is not None or self.cpu_packed:  # no plain float weight left
             return False
-        w = self.weight
-        if (w.is_mkldnn or self.cpu_packed or w.device.type != "cpu"
-                or w.dtype not in CPU_PACKED_DTYPES):
-            return False
-        self.amx_max_numel = amx_max_numel(w.data, self.bias)
-        if self.amx_max_numel:
-            return True
-        if self.bias is not None and self.bias.dtype != w.dtype:
-            return False
-        if cpu_ops.linear_packed_supports(w.data):
-            self.weight = nn.Parameter(cpu_ops.linear_pack(w.data), requires_grad=False)
+        w = self.weight.data
+        kind = cpu_matmul_kind(w, self.bias)
+        if kind == "amx":
+            self.amx_max_numel = amx_max_numel(w, self.bias)
+        elif kind == "packed":
+            self.weight = nn.Parameter(cpu_ops.linear_pack(w), requires_grad=False)
             self.cpu_packed = True
-            return True
-        if not torch.backends.mkldnn.is_available():
-            return False
-        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.data),
-                                   requires_grad=False)
-        return True
+        elif kind == "onednn":
+            self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w),
+                                       requires_grad=False)
+        return kind is not None
 
     @torch.no_grad()
     def quantize_(self, config: QuantConfig, backend: str = "auto") -> int | None:

@@ -26,7 +26,7 @@ from pagellm.forward_context import get_forward_context
 from pagellm.kernels import cpu_ops
 from pagellm.kernels.cpu_ops import ptr
 from pagellm.layers.activation import SiluAndMul
-from pagellm.layers.linear import AMX_LINEAR_MAX_ROWS, CPU_PACKED_DTYPES, LinearBase
+from pagellm.layers.linear import AMX_LINEAR_MAX_ROWS, LinearBase
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding
 from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
@@ -87,7 +87,7 @@ class LlamaCpuFused:
                 and _plain(RMSNorm, model.norm)):
             return None
         dtype = model.norm.weight.dtype
-        if dtype not in CPU_PACKED_DTYPES or not cpu_ops.dtype_supported(dtype):
+        if not cpu_ops.dtype_supported(dtype):
             return None
         first = model.layers[0].self_attn
         attn0 = first.attn
