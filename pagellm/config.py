@@ -1,16 +1,18 @@
-"""Engine configuration: every engine flag in one place, validated once.
+"""Engine configuration: the frozen ``EngineConfig`` an engine runs with, the allowed values of
+its options, and the checks shared by the engine and `pagellm plan`.
 
-``EngineArgs`` mirrors the CLI (vLLM's flag names). ``EngineArgs.create_engine_config()`` loads the
-model's config (no weights), resolves "auto" values and checks everything, returning a frozen
-``EngineConfig``. Nothing mutates the config afterwards. Environment variables are read here only.
+``pagellm.engine_args.EngineArgs`` (the options as the user gives them, vLLM's names) builds it
+with ``create_engine_config()``; nothing mutates it afterwards. Environment variables are read
+here only (``read_env``; the engine keeps what it started with in ``EngineConfig.env``). This
+module imports nothing else of pagellm, so every part may import it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -18,9 +20,73 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagellm")
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "fp32", "bf16", "fp16")
+# The allowed values of the engine's flags: the flags' choices and create_engine_config's checks.
+DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+               "half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16",
+               "fp16": "float16"}  # --dtype's aliases -> torch dtype names
+DTYPES = ("auto", *DTYPE_NAMES)
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "blake2b")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128)  # checked, not argparse choices: the error names the flag
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+_OFF = ("0", "false", "no", "off")
+CPU_ISAS = ("native", "avx512-bf16", "avx512", "generic")
+
+
+@dataclass(frozen=True)
+class EnvSettings:
+    """Every environment variable pagellm reads, read here only (``read_env``); the engine keeps
+    the values it started with in ``EngineConfig.env``, so each process does the same."""
+
+    cpu_kernels: bool = True  # PAGELLM_CPU_KERNELS=0: plain PyTorch paths on CPU
+    cpu_isa: str = "native"  # PAGELLM_CPU_ISA: the newest kernel path built (CPU_ISAS)
+    cxx: str | None = None  # CXX: the compiler for the CPU kernels
+    fused_cpu: bool = True  # PAGELLM_FUSED_CPU=0: no fused one-call CPU step
+    cache_dir: str | None = None  # PAGELLM_CACHE_DIR
+    xdg_cache_home: str | None = None  # XDG_CACHE_HOME
+    gguf_cache: bool = True  # PAGELLM_NO_GGUF_CACHE=1: convert GGUF files in memory each start
+    allow_long_max_model_len: bool = False  # PAGELLM_ALLOW_LONG_MAX_MODEL_LEN
+    fault_inject: str = ""  # PAGELLM_FAULT_INJECT (tests only; see engine/fault_injection.py)
+    triton_interpret: bool = False  # TRITON_INTERPRET=1: Triton kernels on the CPU (tests)
+    api_key: str | None = None  # PAGELLM_API_KEY
+    openai_api_key: str | None = None  # OPENAI_API_KEY (`pagellm bench serve`'s fallback)
+
+
+def read_env(environ: Any = None) -> EnvSettings:
+    """The environment's settings now (``environ`` defaults to ``os.environ``)."""
+    env = os.environ if environ is None else environ
+
+    def flag(name: str, default: str) -> bool:
+        return env.get(name, default).strip().lower() not in _OFF
+
+    isa = env.get("PAGELLM_CPU_ISA", "native").strip().lower() or "native"
+    if isa not in CPU_ISAS:
+        raise ValueError(f"PAGELLM_CPU_ISA must be one of {', '.join(CPU_ISAS)}, got {isa!r}.")
+    return EnvSettings(
+        cpu_kernels=flag("PAGELLM_CPU_KERNELS", "1"),
+        cpu_isa=isa,
+        cxx=env.get("CXX") or None,
+        fused_cpu=flag("PAGELLM_FUSED_CPU", "1"),
+        cache_dir=env.get("PAGELLM_CACHE_DIR") or None,
+        xdg_cache_home=env.get("XDG_CACHE_HOME") or None,
+        gguf_cache=env.get("PAGELLM_NO_GGUF_CACHE", "") in ("", "0"),
+        allow_long_max_model_len=bool(env.get("PAGELLM_ALLOW_LONG_MAX_MODEL_LEN")),
+        fault_inject=env.get("PAGELLM_FAULT_INJECT", "").strip(),
+        triton_interpret=env.get("TRITON_INTERPRET", "0") == "1",
+        api_key=env.get("PAGELLM_API_KEY") or None,
+        openai_api_key=env.get("OPENAI_API_KEY") or None,
+    )
+
+
+def child_environ(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with ``overrides``, for a child process (a replica)."""
+    return {**os.environ, **(overrides or {})}
 
 
 @dataclass(frozen=True)
@@ -102,6 +168,7 @@ class EngineConfig:
     device: DeviceConfig
     enforce_eager: bool = False
     disable_log_stats: bool = False
+    env: EnvSettings = EnvSettings()  # the environment's settings when the config was made
 
 
 def parse_size(value: str | int | float | None, flag: str = "--kv-cache-memory") -> int | None:
@@ -150,13 +217,10 @@ def _cpu_has_fast_bf16() -> bool:
 def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
     import torch
 
-    names = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
-    if dtype not in _DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}.")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
     if dtype != "auto":
-        return names[dtype]
+        return getattr(torch, DTYPE_NAMES[dtype])
     if device.type == "cuda":
         cfg = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
         chosen = torch.float16 if cfg in (torch.float16, "float16") else torch.bfloat16
@@ -169,7 +233,8 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dty
     return chosen
 
 
-def _model_context_len(hf_config: Any) -> int:
+def model_context_len(hf_config: Any) -> int:
+    """The context length a model's config declares (2048 where it declares none)."""
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
@@ -177,141 +242,27 @@ def _model_context_len(hf_config: Any) -> int:
     return 2048
 
 
-@dataclass
-class EngineArgs:
-    """Every engine option, spelled as vLLM spells it (CLI flags are the same with dashes)."""
-
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    kv_cache_memory: str | int | None = None
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = False
-    prefix_caching_hash_algo: str = "sha256"
-    tensor_parallel_size: int = 1
-    seed: int = 0
-    device: str = "auto"
-    load_format: str = "auto"
-    quantization: str | None = None
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    served_model_name: str | None = None
-    disable_log_stats: bool = False
-    scheduling_policy: str = "fcfs"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)} - {"extra"}
-
-    def create_engine_config(self) -> EngineConfig:
-        from pagellm.models.loader import load_hf_config, resolve_model_source
-
-        check_cache_flags(self)
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"--tensor-parallel-size must be >= 1, got "
-                             f"{self.tensor_parallel_size}.")
-        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
-            raise ValueError("--load-format must be auto, safetensors, gguf or dummy, "
-                             f"got {self.load_format!r}.")
-        if self.prefix_caching_hash_algo not in ("sha256", "blake2b"):
-            raise ValueError("--prefix-caching-hash-algo must be sha256 or blake2b, "
-                             f"got {self.prefix_caching_hash_algo!r}.")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError("--scheduling-policy must be fcfs or priority, "
-                             f"got {self.scheduling_policy!r}.")
-        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
-            raise ValueError("--attention-backend must be auto, cpu, torch or triton, "
-                             f"got {self.attention_backend!r}.")
-        from pagellm.layers.quantization import parse_quantization
-
-        quant = parse_quantization(self.quantization)  # ValueError names --quantization
-        device = resolve_device(self.device)
-        source = resolve_model_source(self.model)
-        hf_config = load_hf_config(source)
-        dtype = resolve_dtype(self.dtype, hf_config, device)
-        check_tensor_parallel(self.tensor_parallel_size, hf_config, device, self.device)
-
-        max_model_len, max_num_seqs, max_num_batched_tokens = resolve_scheduler_limits(
-            self, _model_context_len(hf_config))
-
-        model_name = self.served_model_name or (self.model or "SmolLM2-135M-Instruct")
-        if attention_backend_unavailable(self.attention_backend, device):
-            raise ValueError(f"--attention-backend {self.attention_backend} "
-                             + ("runs on CPU devices only." if self.attention_backend == "cpu"
-                                else "needs a CUDA device and the triton package (or "
-                                "TRITON_INTERPRET=1 for testing)."))
-        return EngineConfig(
-            model=ModelConfig(
-                model=self.model, source=source, hf_config=hf_config, tokenizer=self.tokenizer,
-                dtype=dtype, max_model_len=max_model_len, load_format=self.load_format,
-                seed=self.seed, served_model_name=model_name,
-                quantization=quant.name if quant is not None else None),
-            cache=CacheConfig(
-                block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-                kv_cache_memory=parse_size(self.kv_cache_memory),
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                num_gpu_blocks_override=self.num_gpu_blocks_override),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len, policy=self.scheduling_policy),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
-            device=DeviceConfig(device=device, attention_backend=self.attention_backend),
-            enforce_eager=self.enforce_eager,
-            disable_log_stats=self.disable_log_stats,
-        )
-
-
-def check_cache_flags(args: EngineArgs) -> None:
-    """--block-size and --gpu-memory-utilization; shared by the engine and `pagellm plan`."""
-    if args.block_size not in (1, 8, 16, 32, 64, 128):
-        raise ValueError(f"--block-size must be one of 1, 8, 16, 32, 64, 128, "
-                         f"got {args.block_size}.")
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
-        raise ValueError("--gpu-memory-utilization must be in (0, 1], "
-                         f"got {args.gpu_memory_utilization}.")
-
-
-def resolve_scheduler_limits(args: EngineArgs, context_len: int) -> tuple[int, int, int]:
-    """(max_model_len, max_num_seqs, max_num_batched_tokens) with defaults applied and checked;
-    shared by the engine and `pagellm plan` so both accept and refuse the same flags."""
-    max_model_len = args.max_model_len or context_len
-    if max_model_len < 1:
-        raise ValueError(f"--max-model-len must be >= 1, got {max_model_len}.")
-    if max_model_len > context_len and not os.environ.get("PAGELLM_ALLOW_LONG_MAX_MODEL_LEN"):
-        raise ValueError(
-            f"--max-model-len {max_model_len} is larger than the model's context length "
-            f"({context_len}). Lower --max-model-len, or set "
-            "PAGELLM_ALLOW_LONG_MAX_MODEL_LEN=1 if you know the model extrapolates.")
-    batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    if batched < 1:
-        raise ValueError(f"--max-num-batched-tokens must be >= 1, got {batched}.")
-    # Unset, the sequence limit follows a small token budget down instead of failing.
-    max_num_seqs = args.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, batched)
-    if max_num_seqs < 1:
-        raise ValueError(f"--max-num-seqs must be >= 1, got {max_num_seqs}.")
-    if batched < max_num_seqs:
-        # Every running request needs one token per step for decode.
-        raise ValueError(
-            f"--max-num-batched-tokens ({batched}) must be >= --max-num-seqs "
-            f"({max_num_seqs}) so every running sequence can decode each step.")
-    return max_model_len, max_num_seqs, batched
-
-
-def attention_backend_unavailable(name: str, device: torch.device) -> bool:
+def attention_backend_unavailable(name: str, device: torch.device,
+                                  env: EnvSettings | None = None) -> bool:
     if name == "cpu":
         return device.type != "cpu"
     if name != "triton":
         return False
     if device.type == "cuda":
         return False
-    return os.environ.get("TRITON_INTERPRET") != "1"
+    return not (env or read_env()).triton_interpret
+
+
+def check_model_shape(hf_config: Any) -> None:
+    """Refuse a model config whose attention heads the engine cannot group: every size positive,
+    the query heads whole groups of the kv heads (GQA)."""
+    heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"the model's config.json has num_attention_heads {heads} and num_key_value_heads "
+            f"{kv_heads}: each must be >= 1 and the query heads a whole multiple of the kv "
+            "heads.")
 
 
 def check_tensor_parallel(tp: int, hf_config: Any, device: torch.device, device_flag: str,

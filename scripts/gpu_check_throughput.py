@@ -59,8 +59,8 @@ def throughput_worker(spec: dict) -> dict:
     import numpy as np
 
     from pagellm.benchmarks.latency import decode_weight_bytes, run_batch
-    from pagellm.config import EngineArgs
     from pagellm.engine.llm_engine import LLMEngine
+    from pagellm.engine_args import EngineArgs
     from pagellm.worker.kv_cache import config_kv_bytes_per_token
 
     # The spec's optional keys let the CPU test run this on a tiny model.

@@ -13,11 +13,13 @@ Triton is imported here at module load: only ``triton_backend.py`` imports this 
 
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from pagellm.config import read_env
 
 _LOG2E = 1.4426950408889634
 
@@ -195,8 +197,9 @@ def _merge_segments_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
+@functools.cache  # fixed for the process: Triton reads it when the kernels are first built
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return read_env().triton_interpret
 
 
 def _check_last_dim(name: str, t: torch.Tensor) -> None:

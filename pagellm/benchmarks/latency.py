@@ -25,14 +25,14 @@ from typing import Any
 import numpy as np
 
 from pagellm.benchmarks.workload import random_requests
-from pagellm.entrypoints.cli_args import add_engine_args, engine_args_from
+from pagellm.engine_args import EngineArgs
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
 def add_latency_parser(sub: Any) -> None:
     p = sub.add_parser("latency", help="latency of one batch: prefill, decode per token, floor")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
     p.add_argument("--batch-size", type=int, default=8, help="requests per batch")
@@ -153,7 +153,7 @@ def benchmark_latency(ns: argparse.Namespace) -> dict[str, Any]:
 
     _check(ns)
     t0 = time.perf_counter()
-    engine = LLMEngine.from_engine_args(engine_args_from(ns))
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
     startup_s = time.perf_counter() - t0
     try:
         cfg = engine.config

@@ -19,12 +19,12 @@ import time
 from typing import Any
 
 from pagellm.benchmarks.workload import BenchRequest, load_jsonl, parse_range
-from pagellm.entrypoints.cli_args import add_engine_args, engine_args_from
+from pagellm.engine_args import EngineArgs
 
 
 def add_prefix_parser(sub: Any) -> None:
     p = sub.add_parser("prefix", help="shared-prefix workload, prefix caching off vs on")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.add_argument("--dataset", default=None,
                    help="JSONL of prompt_token_ids (or prompt) + max_tokens, instead of the "
                         "generated workload")
@@ -65,7 +65,7 @@ def run_prefix(ns: argparse.Namespace) -> int:
 
 
 def benchmark_prefix(ns: argparse.Namespace) -> dict[str, Any]:
-    base = engine_args_from(ns)
+    base = EngineArgs.from_cli_args(ns)
     reqs: list[BenchRequest] | None = None
     runs: dict[str, dict[str, Any]] = {}
     tokens: dict[str, list[list[int]]] = {}

@@ -17,7 +17,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 from typing import Any
 
 from pagellm.benchmarks.serve_client import (
@@ -34,6 +33,7 @@ from pagellm.benchmarks.serve_stats import (
     make_sweep,
     summarize,
 )
+from pagellm.config import read_env
 
 
 def parse_rates(text: str) -> list[float]:
@@ -123,7 +123,8 @@ def bench_serve(ns: argparse.Namespace) -> dict[str, Any]:
 
         plot_sweeps(others, ns.plot)
         return {}
-    api_key = ns.api_key or os.environ.get("PAGELLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    env = read_env()
+    api_key = ns.api_key or env.api_key or env.openai_api_key
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     runs = []
     for i, rate in enumerate(rates):

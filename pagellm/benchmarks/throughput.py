@@ -8,12 +8,12 @@ import time
 from typing import Any
 
 from pagellm.benchmarks.workload import load_jsonl, random_requests
-from pagellm.entrypoints.cli_args import add_engine_args, engine_args_from
+from pagellm.engine_args import EngineArgs
 
 
 def add_throughput_parser(sub: Any) -> None:
     p = sub.add_parser("throughput", help="offline throughput (requests/s, tokens/s)")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.add_argument("--dataset", default=None, help="JSONL of prompt_token_ids + max_tokens")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", default="256", help="N or LO-HI (random prompts)")
@@ -39,7 +39,7 @@ def benchmark_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     from pagellm.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    engine = LLMEngine.from_engine_args(engine_args_from(ns))
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
     startup_s = time.perf_counter() - t0
     vocab = engine.config.model.vocab_size
     if ns.dataset:

@@ -11,15 +11,17 @@ poisoned step fail. ``<stage>``:
   updated its persistent batch for the step. Such a step always has a prefill, so it runs the
   model eagerly (a replayed CUDA graph would skip the hook).
 
-Read once, when the executor is built. Unset (the default) costs nothing: no hook is installed.
-Never set it on a production server.
+Read once, when the executor is built (``from_env(config.env)``: the value the engine config
+holds). Unset (the default) costs nothing: no hook is installed. Never set it on a production
+server.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
+
+from pagellm.config import EnvSettings, read_env
 
 ENV_VAR = "PAGELLM_FAULT_INJECT"
 _STAGES = ("before", "forward")
@@ -36,8 +38,10 @@ class FaultInjector:
     armed_message: str | None = None  # "forward": the next forward raises this
 
     @classmethod
-    def from_env(cls) -> FaultInjector | None:
-        spec = os.environ.get(ENV_VAR, "").strip()
+    def from_env(cls, env: EnvSettings | None = None) -> FaultInjector | None:
+        """The injector ``env.fault_inject`` asks for (``env``: the engine config's settings;
+        None reads the environment now), or None."""
+        spec = (env or read_env()).fault_inject
         if not spec:
             return None
         stage, _, token = spec.partition(":")

@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pagellm.config import EngineArgs, EngineConfig
+from pagellm.config import EngineConfig
 from pagellm.engine.core import EngineCore
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputKind, OutputProcessor
+from pagellm.engine_args import EngineArgs
 from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus
 from pagellm.sampling_params import SamplingParams

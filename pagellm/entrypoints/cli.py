@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from pagellm.entrypoints.cli_args import add_engine_args, engine_args_from
+from pagellm.engine_args import EngineArgs
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -55,7 +55,7 @@ def run_generate(ns: argparse.Namespace) -> int:
         print("error: give prompts as arguments or on stdin", file=sys.stderr)
         return 2
     params = _sampling_params(ns)
-    engine = LLMEngine.from_engine_args(engine_args_from(ns))
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
     for i, prompt in enumerate(prompts):
         if ns.chat:
             ids = engine.tokenizer.apply_chat_template(
@@ -73,7 +73,7 @@ def run_chat(ns: argparse.Namespace) -> int:
     from pagellm.engine.llm_engine import LLMEngine
 
     params = _sampling_params(ns)
-    engine = LLMEngine.from_engine_args(engine_args_from(ns))
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
     messages: list[dict[str, str]] = []
     if ns.system:
         messages.append({"role": "system", "content": ns.system})
@@ -106,13 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for prompts (arguments or stdin)")
     gen.add_argument("prompts", nargs="*", help="prompts (default: one per stdin line)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    add_engine_args(gen, model_positional=False)
+    EngineArgs.add_cli_args(gen, model_positional=False)
     _add_sampling_args(gen, max_tokens=64)
     gen.set_defaults(func=run_generate)
 
     chat = sub.add_parser("chat", help="interactive chat with the model")
     chat.add_argument("--system", default=None, help="system prompt")
-    add_engine_args(chat)
+    EngineArgs.add_cli_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=run_chat)
 

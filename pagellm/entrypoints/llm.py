@@ -7,10 +7,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pagellm.config import EngineArgs
-from pagellm.engine.errors import RequestFailedError
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine_args import EngineArgs
+from pagellm.errors import RequestFailedError
 from pagellm.outputs import RequestOutput
 from pagellm.request import FinishReason
 from pagellm.sampling_params import SamplingParams
@@ -21,29 +21,16 @@ ChatMessages = list[dict[str, Any]]
 class LLM:
     """Generate completions for many prompts at once, with continuous batching.
 
-    ``LLM(model=None)`` loads the default model (SmolLM2-135M-Instruct, GGUF). Every engine option
-    is a keyword argument with vLLM's name (``max_model_len``, ``max_num_seqs``, ...).
+    ``LLM(model=None)`` loads the default model (SmolLM2-135M-Instruct, GGUF). Every other engine
+    option is a keyword argument: exactly ``EngineArgs``' fields, with vLLM's names
+    (``max_model_len``, ``max_num_seqs``, ...) and the same defaults.
     """
 
-    def __init__(self, model: str | None = None, tokenizer: str | None = None,
-                 dtype: str = "auto", max_model_len: int | None = None,
-                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                 block_size: int = 16, kv_cache_memory: str | int | None = None,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = False,
-                 tensor_parallel_size: int = 1, seed: int = 0, device: str = "auto",
-                 load_format: str = "auto", **kwargs: Any) -> None:
-        unknown = set(kwargs) - EngineArgs.field_names()
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"LLM() got unknown engine options: {sorted(unknown)}")
-        args = EngineArgs(
-            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size, kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            tensor_parallel_size=tensor_parallel_size, seed=seed, device=device,
-            load_format=load_format, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(args)
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

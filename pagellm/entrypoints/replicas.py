@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import subprocess
 import sys
 import time
 from typing import Any
 
+from pagellm.config import child_environ
 from pagellm.entrypoints.replica_proxy import Replica, ReplicaProxy
 from pagellm.worker.multiproc_executor import free_port
 
@@ -71,11 +71,12 @@ def launch_replicas(n: int, serve_args: list[str], devices_per_replica: int | No
     out = []
     for i in range(n):
         port = free_port()
-        env = dict(os.environ)
+        overrides: dict[str, str] = {}
         if devices_per_replica:
             first = i * devices_per_replica
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(
+            overrides["CUDA_VISIBLE_DEVICES"] = ",".join(
                 str(d) for d in range(first, first + devices_per_replica))
+        env = child_environ(overrides)
         cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", *serve_args,
                "--host", "127.0.0.1", "--port", str(port)]
         # The replica dies with us, whatever kills us (no orphaned servers holding GPUs).

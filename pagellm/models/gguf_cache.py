@@ -18,21 +18,23 @@ import shutil
 import tempfile
 from typing import Any
 
+from pagellm.config import read_env
+
 logger = logging.getLogger("pagellm")
 
 _FORMAT_VERSION = "2"
 
 
 def cache_root() -> str:
-    root = os.environ.get("PAGELLM_CACHE_DIR")
-    if root:
-        return root
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    env = read_env()
+    if env.cache_dir:
+        return env.cache_dir
+    base = env.xdg_cache_home or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "pagellm")
 
 
 def cache_enabled() -> bool:
-    return os.environ.get("PAGELLM_NO_GGUF_CACHE", "") in ("", "0")
+    return read_env().gguf_cache
 
 
 def cache_dir_for(gguf_path: str) -> str:

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from pagellm.entrypoints.cli_args import add_engine_args, engine_args_from
+from pagellm.engine_args import EngineArgs
 
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -17,9 +17,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Read MODEL's config (HF folder, config.json, or GGUF header; no weights) and "
                     "print, per rank: weights, activation and overhead estimates, KV bytes per "
                     "token, KV budget, blocks, token capacity, max concurrency at max_model_len, "
-                    "whether it fits, and the nearest settings that do. Same flags as serve.",
-        conflict_handler="resolve")  # our --device replaces the engine's
-    add_engine_args(parser)
+                    "whether it fits, and the nearest settings that do. Same flags as serve.")
+    # --device and --quantization mean the target and a what-if here (the plan group's).
+    EngineArgs.add_cli_args(parser, exclude=("device", "quantization"))
     g = parser.add_argument_group("plan")
     g.add_argument("--device", default="auto",
                    help="target: cpu, cuda[:N] (a GPU here), a GPU name (h100, h200, a100-80gb, "
@@ -63,7 +63,7 @@ def run_plan(ns: argparse.Namespace) -> int:
 
     if ns.from_log and ns.from_metrics:
         raise ValueError("give --from-log or --from-metrics, not both.")
-    args = engine_args_from(ns)
+    args = EngineArgs.from_cli_args(ns)
     report = plan_from_args(args, ns.device, ns.quantization)
     report.suggestions = suggest(report.spec, report.device, report.settings, report.ranks[0])
     if ns.from_log or ns.from_metrics:

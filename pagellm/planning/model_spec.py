@@ -52,7 +52,7 @@ class ModelSpec:
                        checkpoint_bytes: int | None = None) -> ModelSpec:
         """From a transformers config (or any object with its attribute names); defaults and
         biases are those of the engine's ModelConfig and model classes."""
-        from pagellm.config import _model_context_len
+        from pagellm.config import model_context_len
         from pagellm.models.registry import get_model_cls
 
         c = hf_config
@@ -75,7 +75,7 @@ class ModelSpec:
             head_dim=int(getattr(c, "head_dim", None) or c.hidden_size // heads),
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=bool(getattr(c, "mlp_bias", False)),
-            context_len=_model_context_len(c), checkpoint_format=checkpoint_format,
+            context_len=model_context_len(c), checkpoint_format=checkpoint_format,
             checkpoint_bytes=checkpoint_bytes, engine_supported=supported,
             config_dtype=str(dtype).removeprefix("torch.") if dtype else None)
 

@@ -27,7 +27,8 @@ from pagellm.worker.memory_plan import (
 )
 
 if TYPE_CHECKING:
-    from pagellm.config import EngineArgs, EngineConfig
+    from pagellm.config import EngineConfig
+from pagellm.engine_args import EngineArgs
 
 # Fewer max-model-len requests than this at once is "tight": still fits, but worth a look.
 TIGHT_CONCURRENCY = 4.0
@@ -140,12 +141,8 @@ def resolve_settings(args: EngineArgs, spec: ModelSpec, device: DeviceTarget,
     EngineArgs.create_engine_config, which needs the whole transformers config)."""
     import torch
 
-    from pagellm.config import (
-        check_cache_flags,
-        parse_size,
-        resolve_dtype,
-        resolve_scheduler_limits,
-    )
+    from pagellm.config import parse_size, resolve_dtype
+    from pagellm.engine_args import check_cache_flags, resolve_scheduler_limits
 
     check_cache_flags(args)
     max_model_len, max_num_seqs, batched = resolve_scheduler_limits(args, spec.context_len)

@@ -25,7 +25,8 @@ class UniProcExecutor:
         from pagellm.worker.model_runner import ModelRunner
 
         self.runner = ModelRunner(config, eos_token_id)
-        self.fault_injector = FaultInjector.from_env()  # a test hook; None unless asked for
+        # A test hook; None unless asked for.
+        self.fault_injector = FaultInjector.from_env(config.env)
         if self.fault_injector is not None:
             self.fault_injector.install(self.runner.model)
 

@@ -58,7 +58,8 @@ class Worker:
 
         self.rank = args.rank
         self.runner = ModelRunner(args.config, args.eos_token_id)
-        self.fault_injector = FaultInjector.from_env()  # a test hook; None unless asked for
+        # A test hook; None unless asked for.
+        self.fault_injector = FaultInjector.from_env(args.config.env)
         if self.fault_injector is not None:
             self.fault_injector.install(self.runner.model)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagellm.config import EngineArgs, parse_size
+from pagellm.config import parse_size
+from pagellm.engine_args import EngineArgs
 from pagellm.worker.memory_plan import check_fits, kv_bytes_per_token, plan_kv_cache
 
 

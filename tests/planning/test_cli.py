@@ -96,7 +96,7 @@ def test_parse_device():
     {"dtype": "float32", "kv_cache_memory": "3MiB"},
 ])
 def test_settings_equal_the_engine_config(tiny_llama_dir, flags):
-    from pagellm.config import EngineArgs
+    from pagellm.engine_args import EngineArgs
     from pagellm.planning.model_spec import ModelSpec
     from pagellm.planning.planner import plan_from_args
 

@@ -12,8 +12,8 @@ FLAGS = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--device", "
 
 
 def test_plan_equals_what_the_engine_allocates(capsys, caplog):
-    from pagellm.config import EngineArgs
     from pagellm.engine.core import EngineCore
+    from pagellm.engine_args import EngineArgs
 
     assert main(["plan", *FLAGS, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from qwen_configs import QWEN25_7B, QWEN25_72B, write_config
 
-from pagellm.config import EngineArgs
+from pagellm.engine_args import EngineArgs
 from pagellm.planning.devices import GPU_MEMORY_MIB, MiB
 from pagellm.planning.model_spec import ModelSpec
 from pagellm.planning.planner import plan_from_args

@@ -151,7 +151,7 @@ def test_tensor_parallel_quantizes_each_shard(tmp_path, tiny_model_dir) -> None:
 
 
 def test_engine_config_and_cli_flag() -> None:
-    from pagellm.config import EngineArgs
+    from pagellm.engine_args import EngineArgs
     from pagellm.entrypoints.cli_args import add_engine_args, engine_args_from
 
     with pytest.raises(ValueError, match="--quantization"):

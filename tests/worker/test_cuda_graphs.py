@@ -15,7 +15,7 @@ import torch
 from graph_helpers import Step, assert_no_host_syncs, assert_same_decoding, check_padded_step
 
 from pagellm import LLM
-from pagellm.config import EngineArgs
+from pagellm.engine_args import EngineArgs
 from pagellm.worker.cuda_graphs import (
     MAX_CAPTURE_SIZE,
     GraphRunner,

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
-import os
 import signal
 import sys
 from typing import Any
 
-from pagellm.entrypoints.cli_args import add_engine_args, engine_args_from
+from pagellm.engine_args import EngineArgs
 from pagellm.entrypoints.openai import limits
 
 logger = logging.getLogger("pagellm")
@@ -27,9 +25,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (also env {API_KEY_ENV}); "
-                        "/health and /metrics stay open")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use; the first is reported (default: MODEL)")
+                        "/health, /metrics, /version and the API docs stay open")
+    EngineArgs.add_cli_arg(g, "served_model_name")  # an engine field, spelled as a server flag
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (or inline template) overriding the "
                         "tokenizer's")
@@ -73,7 +70,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (default: SmolLM2-135M-Instruct) with an OpenAI-compatible API: "
                     "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, ...")
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     add_server_args(parser)
     parser.set_defaults(func=run_serve)
     return parser
@@ -102,10 +99,7 @@ def run_serve(ns: argparse.Namespace) -> None:
     _setup_logging()
     signal.signal(signal.SIGTERM, _on_sigterm)
     names = ns.served_model_name
-    args = engine_args_from(ns)
-    if names:
-        args = dataclasses.replace(args, served_model_name=names[0])
-    api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
+    args = EngineArgs.from_cli_args(ns)  # served_model_name: the first of names
     engine = None
     exit_code = 0
     try:
@@ -116,6 +110,7 @@ def run_serve(ns: argparse.Namespace) -> None:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
+        api_key = ns.api_key or config.env.api_key
         engine = AsyncLLM(config, log_stats=not ns.disable_log_stats,
                           log_requests=ns.enable_log_requests, max_log_len=ns.max_log_len)
         app = build_app(engine, names, chat_template, api_key, server_limits)

