@@ -9,6 +9,7 @@ Heavy imports stay inside the functions: core tests that never ask for a model s
 from __future__ import annotations
 
 import functools
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,63 @@ def write_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
     model.save_pretrained(path, safe_serialization=True)
     build_test_tokenizer().save_pretrained(path)
     return path
+
+
+@functools.cache
+def cpu_kernel_isas() -> tuple[str, ...]:
+    """The kernel builds to test here, one per kernel path this machine can run (newest first:
+    the native build, then builds capped below AMX, AVX512-BF16 and AVX-512; see
+    ``pagellm.kernels.cpu_build.ISA_FLAGS``); empty without the kernels."""
+    from pagellm.kernels import cpu_build, cpu_ops
+
+    if not cpu_ops.available():
+        return ()
+    newest: dict[str, str] = {}
+    for isa in cpu_build.ISA_FLAGS:
+        with cpu_ops.built_for(isa) as paths:
+            newest.setdefault(paths[0], isa)
+    return tuple(newest.values())
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # Tests that use the `cpu_isa` fixture run once per kernel build (cpu_kernel_isas).
+    if "cpu_isa" in metafunc.fixturenames:
+        metafunc.parametrize("cpu_isa", cpu_kernel_isas() or ("none",), indirect=True)
+
+
+@pytest.fixture
+def cpu_isa(request: pytest.FixtureRequest):
+    """The CPU kernels' wrappers call the build for ``request.param`` during the test (the
+    native build: the machine's newest path); yields its kernel paths, newest first."""
+    from pagellm.kernels import cpu_ops
+
+    if request.param == "none":
+        yield []
+        return
+    with cpu_ops.built_for(request.param) as paths:
+        _PATHS_TESTED.add(paths[0])
+        yield paths
+
+
+_PATHS_TESTED: set[str] = set()  # the newest path of each build a kernel test ran on
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    # Say which CPU kernel paths this run exercised: a green run on one kind of CPU is not one
+    # on every kind (docs/attention.md lists which CPU runs which path).
+    if "pagellm.kernels.cpu_ops" not in sys.modules:
+        return
+    from pagellm.kernels import cpu_ops
+
+    native = cpu_ops.kernel_paths()
+    if not native:
+        terminalreporter.write_line("CPU kernels: not built (plain PyTorch paths only)")
+        return
+    tested = [p for p in cpu_ops.KERNEL_PATHS if p in _PATHS_TESTED]
+    missing = [p for p in cpu_ops.KERNEL_PATHS if p not in native]
+    terminalreporter.write_line(
+        f"CPU kernel paths on this machine: {', '.join(native)}; kernel tests ran on: "
+        f"{', '.join(tested) or 'none'}; this CPU cannot run: {', '.join(missing) or 'none'}")
 
 
 @pytest.fixture(scope="session")

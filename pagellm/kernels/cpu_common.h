@@ -27,6 +27,38 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// Whether an attention call's shape is one the kernels index safely: positive sizes, the query
+// heads whole groups of the kv heads. Every attention entry point checks it before it divides
+// by any of them.
+inline bool attention_shape_ok(int64_t H, int64_t Hkv, int64_t D, int64_t block_size) {
+  return H > 0 && Hkv > 0 && H % Hkv == 0 && D > 0 && block_size > 0;
+}
+
+// What an attention call may index, checked once per sequence before it reads the cache: block
+// ids in [0, num_blocks), block-table rows in [0, bt_rows) of bt_width entries each, query and
+// output rows in [0, rows). A call that finds anything outside answers kOutOfBounds.
+struct CacheBounds {
+  int64_t num_blocks, bt_rows, bt_width, rows;
+
+  // A sequence of len cached tokens on block-table row bt_row: the row exists, len fits in it,
+  // every block id it reads exists.
+  bool sequence_ok(const int32_t* block_tables, int64_t bt_stride, int64_t bt_row, int64_t len,
+                   int64_t block_size) const {
+    if (bt_row < 0 || bt_row >= bt_rows || len < 1 || len > bt_width * block_size) return false;
+    const int32_t* bt = block_tables + bt_row * bt_stride;
+    for (int64_t b = 0, n = (len + block_size - 1) / block_size; b < n; ++b)
+      if (bt[b] < 0 || bt[b] >= num_blocks) return false;
+    return true;
+  }
+  // Rows [r0, r0 + n) of the query and output.
+  bool rows_ok(int64_t r0, int64_t n) const { return r0 >= 0 && n >= 0 && r0 + n <= rows; }
+};
+
+// The entry points' answers: 1 done, 0 refused (a shape or dtype this build cannot take; nothing
+// done), kOutOfBounds (an index outside the cache or the batch; nothing read outside them, the
+// output incomplete).
+constexpr int kOutOfBounds = -1;
+
 struct F32 {
   using T = float;
   static inline float load(float x) { return x; }

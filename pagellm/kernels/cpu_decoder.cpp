@@ -1,16 +1,18 @@
 // A step through every decoder layer of a Llama-style model in one call (bfloat16 or float32).
 //
 // With few tokens per step the model's own work is small next to the Python around each op
-// (a dozen module calls and kernel wrappers per layer, ~200 us a layer at batch 1; ~8 ms a
-// step at any size). This runs the same kernels in the same order as the modules do (RMSNorm +
-// residual, QKV projection, rotary, K/V write, paged attention of the decode tokens, prefill
-// attention of the prefill chunks, output projection, RMSNorm + residual, gate/up projection,
-// SiLU-and-mul, down projection; the final norm), so its results are bit-identical to theirs;
-// the caller only sends steps whose every projection one linear kernel serves (AMX on the plain
-// bfloat16 weights, or the AVX-512 kernel on packed weights of either dtype) and whose prefill
-// chunks (if any) the prefill kernel takes.
+// (a dozen module calls and kernel wrappers per layer: a fixed cost per step whatever its
+// size, at batch 1 about as much as reading the weights). This runs the same kernels in the
+// same order as the modules do (RMSNorm + residual, QKV projection, rotary, K/V write, paged
+// attention of the decode tokens, prefill attention of the prefill chunks, output projection,
+// RMSNorm + residual, gate/up projection, SiLU-and-mul, down projection; the final norm), so
+// its results are bit-identical to theirs; the caller only sends steps whose every projection
+// one linear kernel serves (AMX on the plain bfloat16 weights, or the AVX-512 kernel on packed
+// weights of either dtype) and whose prefill chunks (if any) the prefill kernel takes.
 #include <cstdint>
 #include <cstring>
+
+#include "cpu_common.h"
 
 extern "C" {
 void pagellm_rms_norm(int dtype, void* out, void* residual_out, const void* x,
@@ -24,22 +26,24 @@ void pagellm_rotary(int dtype, void* q, int64_t q_stride, int64_t num_q_heads, v
                     int64_t k_stride, int64_t num_k_heads, const int64_t* positions,
                     int64_t num_tokens, const float* cos_cache, const float* sin_cache,
                     int64_t max_pos, int64_t head_dim, int64_t rot);
-void pagellm_write_kv(int dtype, void* k_cache, void* v_cache, const void* key, int64_t k_stride,
-                      const void* value, int64_t v_stride, const int64_t* slots,
-                      int64_t num_tokens, int64_t row);
-void pagellm_paged_attention(int dtype, void* out, int64_t out_stride, const void* q,
-                             int64_t q_stride, const int64_t* token_rows, const void* k_cache,
-                             const void* v_cache, const int32_t* block_tables, int64_t bt_stride,
-                             const int32_t* item_lens, const int64_t* item_bt_rows,
-                             int64_t num_items, int64_t num_heads, int64_t num_kv_heads,
-                             int64_t head_dim, int64_t block_size, float scale);
+int pagellm_write_kv(int dtype, void* k_cache, void* v_cache, const void* key, int64_t k_stride,
+                     const void* value, int64_t v_stride, const int64_t* slots,
+                     int64_t num_tokens, int64_t row, int64_t num_slots);
+int pagellm_paged_attention(int dtype, void* out, int64_t out_stride, const void* q,
+                            int64_t q_stride, const int64_t* token_rows, const void* k_cache,
+                            const void* v_cache, const int32_t* block_tables, int64_t bt_stride,
+                            const int32_t* item_lens, const int64_t* item_bt_rows,
+                            int64_t num_items, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale,
+                            const pagellm::CacheBounds* bounds);
 void pagellm_silu_and_mul(int dtype, void* out, const void* x, int64_t rows, int64_t d);
 int pagellm_prefill_attention(int dtype, void* out, int64_t out_stride, const void* q,
                               int64_t q_stride, const void* k_cache, const void* v_cache,
                               const int32_t* block_tables, int64_t bt_stride, int64_t num_seqs,
                               const int64_t* q_rows, const int32_t* q_lens,
                               const int32_t* ctx_lens, const int64_t* bt_rows, int64_t H,
-                              int64_t Hkv, int64_t D, int64_t block_size, float scale);
+                              int64_t Hkv, int64_t D, int64_t block_size, float scale,
+                              const pagellm::CacheBounds* bounds);
 
 // One layer's tensors (biases may be null).
 struct PagellmLlamaLayer {
@@ -94,6 +98,9 @@ struct PagellmForwardStep {
   const int32_t* prefill_lens;
   const int32_t* prefill_ctx;
   const int64_t* prefill_bt_rows;
+  int64_t num_blocks;  // blocks in each layer's cache
+  int64_t bt_height;   // rows of block_tables
+  int64_t bt_width;    // entries per row of block_tables
 };
 
 }  // extern "C"
@@ -111,6 +118,7 @@ int llama_forward(const PagellmLlamaLayer* layers, int64_t num_layers,
   auto* residual = static_cast<T*>(s.residual);
   auto* normed = static_cast<T*>(s.normed);
   auto* qkv = static_cast<T*>(s.qkv);
+  const pagellm::CacheBounds bounds{s.num_blocks, s.bt_height, s.bt_width, T_};
   auto linear = [&](void* y, int64_t ldy, const void* x, int64_t lda, const void* w,
                     const void* bias, int64_t N, int64_t K) {
     return d.packed ? pagellm_linear_packed(dt, y, ldy, x, lda, w, bias, T_, N, K)
@@ -124,26 +132,35 @@ int llama_forward(const PagellmLlamaLayer* layers, int64_t num_layers,
     } else {
       pagellm_rms_norm(dt, normed, residual, hidden, residual, w.input_norm, T_, H, d.eps);
     }
-    if (!linear(qkv, qkv_w, normed, H, w.qkv, w.qkv_bias, qkv_w, H)) return 0;
+    // Every kernel's answer is passed on: 0 (cannot take the step) or kOutOfBounds.
+    int rc = linear(qkv, qkv_w, normed, H, w.qkv, w.qkv_bias, qkv_w, H);
+    if (rc != 1) return rc;
     pagellm_rotary(dt, qkv, qkv_w, d.num_heads, qkv + q, qkv_w, d.num_kv_heads, s.positions, T_,
                    s.cos_cache, s.sin_cache, d.max_pos, D, d.rot_dim);
-    pagellm_write_kv(dt, w.k_cache, w.v_cache, qkv + q, qkv_w, qkv + q + kv, qkv_w, s.slots, T_,
-                     kv);
-    if (s.num_items)
-      pagellm_paged_attention(dt, s.attn, q, qkv, qkv_w, s.token_rows, w.k_cache, w.v_cache,
-                              s.block_tables, s.bt_stride, s.lens, s.bt_rows, s.num_items,
-                              d.num_heads, d.num_kv_heads, D, d.block_size, d.scale);
-    if (s.num_prefill &&
-        !pagellm_prefill_attention(dt, s.attn, q, qkv, qkv_w, w.k_cache, w.v_cache,
-                                   s.block_tables, s.bt_stride, s.num_prefill, s.prefill_rows,
-                                   s.prefill_lens, s.prefill_ctx, s.prefill_bt_rows,
-                                   d.num_heads, d.num_kv_heads, D, d.block_size, d.scale))
-      return 0;
-    linear(hidden, H, s.attn, q, w.o, w.o_bias, H, q);
+    rc = pagellm_write_kv(dt, w.k_cache, w.v_cache, qkv + q, qkv_w, qkv + q + kv, qkv_w, s.slots,
+                          T_, kv, s.num_blocks * d.block_size);
+    if (rc != 1) return rc;
+    if (s.num_items) {
+      rc = pagellm_paged_attention(dt, s.attn, q, qkv, qkv_w, s.token_rows, w.k_cache, w.v_cache,
+                                   s.block_tables, s.bt_stride, s.lens, s.bt_rows, s.num_items,
+                                   d.num_heads, d.num_kv_heads, D, d.block_size, d.scale,
+                                   &bounds);
+      if (rc != 1) return rc;
+    }
+    if (s.num_prefill) {
+      rc = pagellm_prefill_attention(dt, s.attn, q, qkv, qkv_w, w.k_cache, w.v_cache,
+                                     s.block_tables, s.bt_stride, s.num_prefill, s.prefill_rows,
+                                     s.prefill_lens, s.prefill_ctx, s.prefill_bt_rows,
+                                     d.num_heads, d.num_kv_heads, D, d.block_size, d.scale,
+                                     &bounds);
+      if (rc != 1) return rc;
+    }
+    if ((rc = linear(hidden, H, s.attn, q, w.o, w.o_bias, H, q)) != 1) return rc;
     pagellm_rms_norm(dt, normed, residual, hidden, residual, w.post_norm, T_, H, d.eps);
-    linear(s.gate_up, 2 * I, normed, H, w.gate_up, w.gate_up_bias, 2 * I, H);
+    if ((rc = linear(s.gate_up, 2 * I, normed, H, w.gate_up, w.gate_up_bias, 2 * I, H)) != 1)
+      return rc;
     pagellm_silu_and_mul(dt, s.act, s.gate_up, T_, I);
-    linear(hidden, H, s.act, I, w.down, w.down_bias, H, I);
+    if ((rc = linear(hidden, H, s.act, I, w.down, w.down_bias, H, I)) != 1) return rc;
   }
   pagellm_rms_norm(dt, hidden, residual, hidden, residual, s.final_norm, T_, H, d.eps);
   return 1;
@@ -153,8 +170,10 @@ int llama_forward(const PagellmLlamaLayer* layers, int64_t num_layers,
 
 extern "C" {
 
-// Returns 0 (with the caches possibly written) only where the linear kernel or, with prefill
-// chunks, the prefill kernel cannot take the step; the caller checks both first.
+// Returns 1; 0 (with the caches possibly written) where the linear kernel or, with prefill
+// chunks, the prefill kernel cannot take the step (the caller checks both first), or the
+// attention kernels refuse the shape (attention_shape_ok); kOutOfBounds where a slot, block id,
+// block-table row or length lies outside the step's bounds (nothing read or written outside).
 int pagellm_llama_forward(const PagellmLlamaLayer* layers, int64_t num_layers,
                           const PagellmLlamaShape* shape, const PagellmForwardStep* step) {
   return shape->dtype == 0 ? llama_forward<float>(layers, num_layers, *shape, *step)

@@ -147,13 +147,16 @@ int pagellm_linear_available() {
 }
 
 // y [M, N] (row stride ldy) = x [M, K] (row stride lda) @ w^T + bias, all bfloat16, w [N, K]
-// contiguous; bias may be null. Needs N % 16 == 0 and K % 32 == 0. Returns 0, having done
-// nothing, where AMX is missing or not granted (pagellm_linear_available() says so first).
+// contiguous; bias may be null. Needs N and K positive, N % 16 == 0 and K % 32 == 0 (the tile
+// loops divide by K / 32 and by the row groups). Returns 0, having done nothing, where AMX is
+// missing or not granted (pagellm_linear_available() says so first) or the shape is not one of
+// those; M == 0 is done at once.
 int pagellm_linear(void* y, int64_t ldy, const void* x, int64_t lda, const void* w,
                    const void* bias, int64_t M, int64_t N, int64_t K) {
 #if defined(PAGELLM_AMX)
   using namespace pagellm;
-  if (!amx_permitted()) return 0;
+  if (!amx_permitted() || N <= 0 || K <= 0 || N % 16 != 0 || K % 32 != 0 || M < 0) return 0;
+  if (M == 0) return 1;
   const int64_t G = (M + 15) / 16, NB = N / 16;
   static thread_local std::vector<uint16_t> xv_buf;
   if (xv_buf.size() < static_cast<size_t>(G * 16 * K)) xv_buf.resize(G * 16 * K);

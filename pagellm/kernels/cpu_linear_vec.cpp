@@ -112,7 +112,7 @@ extern "C" {
 // Whether pagellm_linear_packed takes this dtype (0 = float32, 1 = bfloat16) and a weight of N
 // outputs and K inputs here: N % 16 == 0 (and K even in bfloat16), AVX-512 (and AVX512-BF16).
 int pagellm_linear_packed_available(int dtype, int64_t N, int64_t K) {
-  if (N % 16 != 0 || K <= 0) return 0;
+  if (N <= 0 || N % 16 != 0 || K <= 0) return 0;
 #if defined(__AVX512F__)
   if (dtype == 0) return 1;
 #if defined(__AVX512BF16__)

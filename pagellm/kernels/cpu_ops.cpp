@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_common.h"
 
 namespace pagellm {
@@ -210,7 +211,24 @@ using namespace pagellm;
 
 extern "C" {
 
-int pagellm_abi_version() { return 8; }
+int pagellm_abi_version() { return 10; }
+
+// The kernel paths this build compiled, as bits: 1 AMX (built, and granted to this process),
+// 2 AVX-512 BF16, 4 AVX-512; the plain loops (generic) are always built. A path a kernel
+// cannot take for a shape falls back to the next one down.
+int pagellm_kernel_paths() {
+  int bits = 0;
+#if defined(PAGELLM_AMX)
+  if (amx_permitted()) bits |= 1;
+#endif
+#if defined(__AVX512BF16__)
+  bits |= 2;
+#endif
+#if defined(__AVX512F__)
+  bits |= 4;
+#endif
+  return bits;
+}
 
 // dtype codes: 0 = float32, 1 = bfloat16
 void pagellm_rms_norm(int dtype, void* out, void* residual_out, const void* x,

@@ -6,7 +6,9 @@ dimension) through ``supports``; callers test that first and fall back to PyTorc
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from collections.abc import Iterator
 from ctypes import c_float, c_int, c_int64, c_void_p
 
 import torch
@@ -18,9 +20,13 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _SIGNATURES = {
     "pagellm_paged_attention": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p,
                                  c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_int64,
-                                 c_int64, c_int64, c_int64, c_int64, c_float],
+                                 c_int64, c_int64, c_int64, c_int64, c_float, c_void_p],
+    "pagellm_paged_attention_supported": [c_int, c_int64, c_int64, c_int64, c_int64],
+    "pagellm_paged_attention_slices": [c_int, c_int64, c_int64, c_int64, c_int64, c_void_p],
+    "pagellm_kernel_paths": [],
+    "pagellm_linear_available": [],
     "pagellm_write_kv": [c_int, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_int64,
-                         c_void_p, c_int64, c_int64],
+                         c_void_p, c_int64, c_int64, c_int64],
     "pagellm_rms_norm": [c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64,
                          c_int64, c_float],
     "pagellm_rotary": [c_int, c_void_p, c_int64, c_int64, c_void_p, c_int64, c_int64, c_void_p,
@@ -37,9 +43,38 @@ _SIGNATURES = {
     "pagellm_prefill_attention": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p,
                                   c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p,
                                   c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64,
-                                  c_float],
+                                  c_float, c_void_p],
     "pagellm_prefill_attention_supported": [c_int, c_int64],
 }
+
+class CacheBounds(ctypes.Structure):
+    """What an attention call may index (``CacheBounds`` in ``cpu_common.h``): block ids below
+    ``num_blocks``, block-table rows below ``bt_rows`` of ``bt_width`` entries, query/output rows
+    below ``rows``. The kernels check every sequence against it before reading the cache."""
+
+    _fields_ = [(name, c_int64) for name in ("num_blocks", "bt_rows", "bt_width", "rows")]
+
+
+def _bounds(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            rows: int) -> CacheBounds:
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"cpu_ops: k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} differ")
+    return CacheBounds(k_cache.shape[0], block_tables.shape[0], block_tables.shape[1], rows)
+
+
+def _out_of_bounds(what: str, bounds: CacheBounds) -> IndexError:
+    return IndexError(
+        f"cpu_ops.{what}: a block id, block-table row, length or token row lies outside the "
+        f"cache ({bounds.num_blocks} blocks) or the batch (block tables {bounds.bt_rows} x "
+        f"{bounds.bt_width}, {bounds.rows} rows); nothing outside them was read or written")
+
+
+def _check(ok: bool, what: str, why: str) -> None:
+    # Layout checks that `python -O` must not remove (the kernels index by them).
+    if not ok:
+        raise ValueError(f"cpu_ops.{what}: {why}")
+
 
 class LlamaLayer(ctypes.Structure):
     """One decoder layer's tensors for ``llama_forward`` (``PagellmLlamaLayer``)."""
@@ -70,33 +105,68 @@ class ForwardStep(ctypes.Structure):
                 *((name, c_void_p) for name in ("lens", "bt_rows", "token_rows")),
                 ("num_items", c_int64), ("final_norm", c_void_p), ("num_prefill", c_int64),
                 *((name, c_void_p) for name in ("prefill_rows", "prefill_lens", "prefill_ctx",
-                                                "prefill_bt_rows"))]
+                                                "prefill_bt_rows")),
+                *((name, c_int64) for name in ("num_blocks", "bt_height", "bt_width"))]
 
+
+# Returning an int (a yes/no or a count); the other entry points return nothing.
+_RETURNS_INT = ("pagellm_linear_available", "pagellm_linear", "pagellm_linear_packed",
+                "pagellm_linear_packed_available", "pagellm_llama_forward",
+                "pagellm_prefill_attention", "pagellm_prefill_attention_supported",
+                "pagellm_paged_attention", "pagellm_paged_attention_supported",
+                "pagellm_paged_attention_slices", "pagellm_kernel_paths", "pagellm_write_kv")
+
+# The kernels' answer for an index outside the cache or the batch (kOutOfBounds).
+_OUT_OF_BOUNDS = -1
+
+# The kernel paths, newest first (pagellm_kernel_paths' bits 1, 2, 4; generic always built).
+KERNEL_PATHS = ("amx", "avx512-bf16", "avx512", "generic")
 
 _lib: ctypes.CDLL | None = None
 _checked = False
+
+
+def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = c_int if name in _RETURNS_INT else None
+    return lib
 
 
 def _library() -> ctypes.CDLL | None:
     global _lib, _checked
     if not _checked:
         lib = cpu_build.load()
-        if lib is not None:
-            for name, argtypes in _SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.argtypes = argtypes
-                fn.restype = None
-            lib.pagellm_linear_available.restype = c_int
-            lib.pagellm_linear.restype = c_int
-            lib.pagellm_linear_packed.restype = c_int
-            lib.pagellm_linear_packed_available.restype = c_int
-            lib.pagellm_llama_forward.restype = c_int
-            lib.pagellm_prefill_attention.restype = c_int
-            lib.pagellm_prefill_attention_supported.restype = c_int
-        _lib, _checked = lib, True
+        _lib, _checked = (None if lib is None else _typed(lib)), True
     return _lib
 
 
+def kernel_paths() -> list[str]:
+    """The kernel paths of the build in use, newest first (``KERNEL_PATHS``); [] without the
+    kernels. A kernel takes the newest one that serves the shape at hand."""
+    if _library() is None:
+        return []
+    bits = _lib.pagellm_kernel_paths()
+    return [name for bit, name in zip((1, 2, 4, 0), KERNEL_PATHS, strict=True)
+            if bit == 0 or bits & bit]
+
+
+@contextlib.contextmanager
+def built_for(isa: str) -> Iterator[list[str]]:
+    """For tests: inside the block the wrappers call the build for ``isa`` (``cpu_build.ISA_FLAGS``,
+    e.g. ``"generic"`` runs the plain loops on an AVX-512 machine); yields its kernel paths.
+    Layers that picked a kernel at load keep their choice: build them inside the block."""
+    global _lib, _checked
+    saved = _library()
+    lib = cpu_build.load(isa)
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels cannot be built for {isa!r} here")
+    _lib = _typed(lib)
+    try:
+        yield kernel_paths()
+    finally:
+        _lib, _checked = saved, True
 def available() -> bool:
     return _library() is not None
 
@@ -200,8 +270,14 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def llama_forward(layers: ctypes.Array, shape: LlamaShape, step: ForwardStep) -> None:
     """Every decoder layer and the final norm for one step (``cpu_decoder.cpp``);
     ``step.hidden`` holds the embeddings before and the final hidden states after."""
-    if not _library().pagellm_llama_forward(ctypes.byref(layers), len(layers),
-                                            ctypes.byref(shape), ctypes.byref(step)):
+    rc = _library().pagellm_llama_forward(ctypes.byref(layers), len(layers),
+                                          ctypes.byref(shape), ctypes.byref(step))
+    if rc == _OUT_OF_BOUNDS:
+        raise IndexError("cpu_ops.llama_forward: a slot, block id, block-table row or length "
+                         f"lies outside the cache ({step.num_blocks} blocks) or the step "
+                         f"(block tables {step.bt_height} x {step.bt_width}); nothing outside "
+                         "them was read or written")
+    if rc != 1:
         raise RuntimeError("cpu_ops.llama_forward cannot take this step here (check the "
                            "linears' kernel and, with prefill chunks, "
                            "prefill_head_dim_supported first)")
@@ -232,18 +308,31 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Ten
     rows ``[q_rows[i], q_rows[i] + q_lens[i])`` of ``query [T, H, D]`` are the last ``q_lens[i]``
     of its ``ctx_lens[i]`` cached tokens (K/V written), block-table row ``bt_rows[i]``; results
     go to the same rows of ``out``. Check ``prefill_attention_supports`` first."""
-    assert out.stride(1) == out.shape[2] and out.stride(2) == 1 and out.dtype == query.dtype
-    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    assert q_lens.dtype == ctx_lens.dtype == torch.int32
-    assert q_rows.dtype == bt_rows.dtype == torch.int64
-    for t in (q_rows, q_lens, ctx_lens, bt_rows):
-        assert t.is_contiguous() and t.shape == q_rows.shape
-    if not _library().pagellm_prefill_attention(
-            _DTYPE_CODES[query.dtype], out.data_ptr(), out.stride(0), query.data_ptr(),
-            query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            block_tables.stride(0), q_rows.shape[0], q_rows.data_ptr(), q_lens.data_ptr(),
-            ctx_lens.data_ptr(), bt_rows.data_ptr(), query.shape[1], k_cache.shape[-2],
-            query.shape[2], k_cache.shape[1], scale):
+    what = "prefill_attention"
+    _check(out.stride(1) == out.shape[2] and out.stride(2) == 1 and out.dtype == query.dtype,
+           what, "out must be [T, H, D] with unit-stride heads, in the query's dtype")
+    _check(block_tables.dtype == torch.int32 and block_tables.dim() == 2
+           and block_tables.stride(1) == 1, what, "block_tables must be int32 [seqs, width]")
+    _check(q_lens.dtype == ctx_lens.dtype == torch.int32
+           and q_rows.dtype == bt_rows.dtype == torch.int64, what,
+           "q_lens/ctx_lens must be int32, q_rows/bt_rows int64")
+    _check(all(t.is_contiguous() and t.shape == q_rows.shape
+               for t in (q_rows, q_lens, ctx_lens, bt_rows)), what,
+           "q_rows, q_lens, ctx_lens and bt_rows must be contiguous, of one shape")
+    bounds = _bounds(k_cache, v_cache, block_tables, min(query.shape[0], out.shape[0]))
+    rc = _library().pagellm_prefill_attention(
+        _DTYPE_CODES[query.dtype], out.data_ptr(), out.stride(0), query.data_ptr(),
+        query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), q_rows.shape[0], q_rows.data_ptr(), q_lens.data_ptr(),
+        ctx_lens.data_ptr(), bt_rows.data_ptr(), query.shape[1], k_cache.shape[-2],
+        query.shape[2], k_cache.shape[1], scale, ctypes.byref(bounds))
+    if rc == _OUT_OF_BOUNDS:
+        raise _out_of_bounds(what, bounds)
+    if rc != 1:
+        if not paged_attention_supports(query.shape[1], k_cache.shape[-2], query.shape[2],
+                                        k_cache.shape[1]):
+            raise ValueError(_shape_refused(what, query.shape[1], k_cache.shape[-2],
+                                            query.shape[2], k_cache.shape[1]))
         raise RuntimeError("cpu_ops.prefill_attention cannot take this dtype or head size "
                            "here (check prefill_attention_supports first)")
 
@@ -307,10 +396,18 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     """Store ``key/value [T, Hkv, D]`` (token rows may be strided) at flat ``slots [T]``."""
     slots = slots.to(torch.int64).contiguous()
     row = k_cache.shape[-2] * k_cache.shape[-1]
-    assert key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]
-    _library().pagellm_write_kv(_DTYPE_CODES[key.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
-                                key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                                slots.data_ptr(), key.shape[0], row)
+    _check(key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]
+           and key.shape[1:] == value.shape[1:] == k_cache.shape[2:]
+           and slots.shape[0] >= key.shape[0] and v_cache.shape == k_cache.shape, "write_kv",
+           "key/value must be [T, Hkv, D] (unit-stride heads) of the cache's shape, one slot "
+           "per token")
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if _library().pagellm_write_kv(_DTYPE_CODES[key.dtype], k_cache.data_ptr(),
+                                   v_cache.data_ptr(), key.data_ptr(), key.stride(0),
+                                   value.data_ptr(), value.stride(0), slots.data_ptr(),
+                                   key.shape[0], row, num_slots) != 1:
+        raise IndexError(f"cpu_ops.write_kv: a slot lies outside the cache's {num_slots} slots; "
+                         "no token was written outside it")
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
@@ -322,14 +419,53 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     A decode token is one item; each token of a prefill chunk is one too, its length its own
     position + 1 (causal), once the chunk's K/V are written."""
     num_heads, head_dim = query.shape[1], query.shape[2]
-    assert query.stride(1) == head_dim and out.stride(1) == head_dim
-    assert block_tables.dtype == torch.int32 and lens.dtype == torch.int32
-    assert block_tables.stride(1) == 1 and lens.is_contiguous()
-    assert bt_rows.dtype == torch.int64 and token_rows.dtype == torch.int64
-    assert bt_rows.is_contiguous() and token_rows.is_contiguous()
-    assert lens.shape == bt_rows.shape == token_rows.shape
-    _library().pagellm_paged_attention(
+    what = "paged_attention"
+    _check(query.stride(1) == head_dim and out.stride(1) == head_dim, what,
+           "query and out must have unit-stride heads")
+    _check(block_tables.dtype == torch.int32 and block_tables.dim() == 2
+           and block_tables.stride(1) == 1, what, "block_tables must be int32 [seqs, width]")
+    _check(lens.dtype == torch.int32 and bt_rows.dtype == token_rows.dtype == torch.int64, what,
+           "lens must be int32, bt_rows and token_rows int64")
+    _check(lens.is_contiguous() and bt_rows.is_contiguous() and token_rows.is_contiguous()
+           and lens.shape == bt_rows.shape == token_rows.shape, what,
+           "lens, bt_rows and token_rows must be contiguous, of one shape")
+    num_kv_heads, block_size = k_cache.shape[-2], k_cache.shape[1]
+    bounds = _bounds(k_cache, v_cache, block_tables, min(query.shape[0], out.shape[0]))
+    rc = _library().pagellm_paged_attention(
         _DTYPE_CODES[query.dtype], out.data_ptr(), out.stride(0), query.data_ptr(),
         query.stride(0), token_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), bt_rows.data_ptr(),
-        lens.shape[0], num_heads, k_cache.shape[-2], head_dim, k_cache.shape[1], scale)
+        lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale,
+        ctypes.byref(bounds))
+    if rc == _OUT_OF_BOUNDS:
+        raise _out_of_bounds(what, bounds)
+    if rc != 1:
+        raise ValueError(_shape_refused(what, num_heads, num_kv_heads, head_dim, block_size))
+
+
+def paged_attention_supports(num_heads: int, num_kv_heads: int, head_dim: int,
+                             block_size: int) -> bool:
+    """Whether ``paged_attention`` takes this shape: every size positive, the query heads whole
+    groups of the kv heads (any block size: one the AMX path cannot tile takes the vector
+    path)."""
+    return (_library() is not None and bool(_lib.pagellm_paged_attention_supported(
+        0, num_heads, num_kv_heads, head_dim, block_size)))
+
+
+def _shape_refused(what: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                   block_size: int) -> str:
+    return (f"cpu_ops.{what}: the kernel refuses {num_heads} query heads over {num_kv_heads} "
+            f"kv heads, head_dim {head_dim}, --block-size {block_size} (every size must be "
+            "positive and the query heads whole groups of the kv heads)")
+
+
+def paged_attention_slices(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                           dtype: torch.dtype) -> list[tuple[int, int]]:
+    """For tests: how ``paged_attention`` slices a block's prefetches for this shape, as
+    ``(cache lines, lines per slice)`` per 16-token tile, per query head and per kv head."""
+    out = (c_int64 * 6)()
+    if not _library().pagellm_paged_attention_slices(_DTYPE_CODES[dtype], num_heads,
+                                                     num_kv_heads, head_dim, block_size, out):
+        raise ValueError(_shape_refused("paged_attention_slices", num_heads, num_kv_heads,
+                                        head_dim, block_size))
+    return [(out[0], out[1]), (out[2], out[3]), (out[4], out[5])]

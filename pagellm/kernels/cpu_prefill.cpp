@@ -210,14 +210,23 @@ int pagellm_prefill_attention_supported(int dtype, int64_t head_dim) {
 // Sequence i's rows [q_rows[i], q_rows[i] + q_lens[i]) of q [*, H, D] (row stride q_stride) are
 // the last q_lens[i] of its ctx_lens[i] cached tokens (K/V already written, block table row
 // bt_rows[i]); each attends causally to the cache and is written at the same row of out.
-// Returns 0, doing nothing, where pagellm_prefill_attention_supported is 0.
+// Returns 0, doing nothing, where pagellm_prefill_attention_supported is 0 or the shape is one
+// the kernels cannot index (attention_shape_ok); kOutOfBounds, doing nothing, where a chunk's
+// rows, length or blocks lie outside `bounds`.
 int pagellm_prefill_attention(int dtype, void* out, int64_t out_stride, const void* q,
                               int64_t q_stride, const void* k_cache, const void* v_cache,
                               const int32_t* block_tables, int64_t bt_stride, int64_t num_seqs,
                               const int64_t* q_rows, const int32_t* q_lens,
                               const int32_t* ctx_lens, const int64_t* bt_rows, int64_t H,
-                              int64_t Hkv, int64_t D, int64_t block_size, float scale) {
+                              int64_t Hkv, int64_t D, int64_t block_size, float scale,
+                              const pagellm::CacheBounds* bounds) {
   using namespace pagellm;
+  if (!attention_shape_ok(H, Hkv, D, block_size) || num_seqs < 0) return 0;
+  // Every chunk's rows, length and blocks inside the bounds before any is read.
+  for (int64_t i = 0; i < num_seqs; ++i)
+    if (q_lens[i] < 1 || q_lens[i] > ctx_lens[i] || !bounds->rows_ok(q_rows[i], q_lens[i]) ||
+        !bounds->sequence_ok(block_tables, bt_stride, bt_rows[i], ctx_lens[i], block_size))
+      return kOutOfBounds;
   const PrefillArgs a{out,      out_stride, q,       q_stride, k_cache, v_cache, block_tables,
                       bt_stride, num_seqs,  q_rows,  q_lens,   ctx_lens, bt_rows, H,
                       Hkv,      D,          block_size, scale};
