@@ -13,8 +13,8 @@ from torch import nn
 
 from pagellm.distributed.communication import all_gather, tensor_model_parallel_all_reduce
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
-from pagellm.kernels import cpu_ops
-from pagellm.layers.linear import amx_max_numel, cpu_matmul_kind
+from pagellm.layers.linear_method import LinearMethodBase
+from pagellm.layers.method_factory import make_linear_method
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -58,7 +58,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
                  params_dtype: torch.dtype | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, params_dtype)
-        self.amx_max_numel = 0  # hidden states up to this size take cpu_ops.linear
+        # The weight is the embedding table above (or a tied embedding's), not the method's
+        # create_weights; the embedding lookup reads it, so a CPU kernel's layout is a copy.
+        self.linear_method: LinearMethodBase = make_linear_method(weight_shared=True)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.num_per_partition, dtype=self.weight.dtype),
                                      requires_grad=False)
@@ -77,36 +79,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not an embedding; use compute_logits")
 
-    @torch.no_grad()
-    def prepack_for_cpu_(self) -> bool:
-        """Choose the logits matmul of a CPU bfloat16 or float32 weight once, as the linear
-        layers do (``LinearBase.prepack_for_cpu_``): ``cpu_ops.linear`` on the weight as it is
-        where AMX serves it (the rows sampled per step are few), else a copy packed for
-        ``cpu_ops.linear_packed`` where that takes it, else a copy in oneDNN's blocked layout
-        (bit-identical to ``F.linear`` in bfloat16). The weight itself stays: a tied embedding
-        still looks rows up in it. Returns whether anything changed."""
-        w = self.weight.data
-        kind = cpu_matmul_kind(w, self.bias)
-        if kind == "amx":
-            self.amx_max_numel = amx_max_numel(w, self.bias)
-        elif kind == "packed":
-            self.vec_packed_weight = cpu_ops.linear_pack(w)
-        elif kind == "onednn":
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w)
-        return kind is not None
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        packed = getattr(self, "packed_weight", None)
-        vec_packed = getattr(self, "vec_packed_weight", None)
-        if 0 < hidden.numel() <= self.amx_max_numel and hidden.dtype == torch.bfloat16:
-            logits = cpu_ops.linear(hidden, self.weight, self.bias)
-        elif vec_packed is not None:
-            logits = cpu_ops.linear_packed(hidden, vec_packed, self.bias)
-        elif packed is not None:
-            logits = torch.ops.mkldnn._linear_pointwise(hidden, packed, self.bias, "none", [],
-                                                        "")
-        else:
-            logits = F.linear(hidden, self.weight, self.bias)
+        logits = self.linear_method.apply(self, hidden, self.bias)
         if self.tp_size > 1:
             logits = all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings].float()

@@ -1,5 +1,9 @@
 """How one quantized linear layer stores its weight and computes ``x @ W^T + bias``.
 
+Pagellm quantizes float checkpoints online: a layer loads its float weight, then ``quantize_``
+swaps in one of these methods (``method_factory.make_linear_method``), whose
+``process_weights_after_loading`` replaces the weight by its quantized parameters.
+
 Backends (chosen by ``quantization.resolve_backend``):
 - "cpu": PyTorch's own weight-only CPU ops. int8: ``torch._weight_int8pack_mm`` (int8 weight,
   per-channel scales); int4: ``torch._weight_int4pack_mm_for_cpu`` on a weight packed by
@@ -7,8 +11,8 @@ Backends (chosen by ``quantization.resolve_backend``):
   GEMV-style kernels: fast for a few rows, but their cost grows with every row while a bf16
   matmul (oneDNN/AMX) barely does. Above ``*_KERNEL_MAX_ROWS`` rows (prefill, large decode
   batches) the weight is dequantized on the fly and multiplied by F.linear. Both ops are only
-  fast with bf16 activations (their fp32 paths measured 5-100x slower than an fp32 matmul), so an
-  fp32 model computes its quantized linears in bf16.
+  fast with bf16 activations (their fp32 paths are far slower than an fp32 matmul; see
+  docs/quantization.md), so an fp32 model computes its quantized linears in bf16.
 - "triton": a dequantize-matmul kernel (triton_quant.py), the CUDA path.
 - "torch": dequantize with torch ops on every call, then F.linear (CUDA without triton).
 
@@ -18,15 +22,12 @@ Parameters are registered as ``nn.Parameter(requires_grad=False)`` even when int
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.layers.linear_method import LinearMethodBase
 from pagellm.layers.quantization import (
-    QuantConfig,
-    choose_group_size,
     dequantize_int4,
     dequantize_int8,
     pack_int4,
@@ -46,9 +47,9 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-class QuantMethod:
-    """Created per layer by ``make_quant_method``. ``create`` registers the quantized parameters
-    on the layer (from its float weight); ``apply`` computes ``x @ W^T + bias`` for any leading
+class QuantizedLinearMethod(LinearMethodBase):
+    """One layer's quantized weight. ``quantize_weights`` registers the quantized parameters on
+    the layer (from its float weight); ``apply`` computes ``x @ W^T + bias`` for any leading
     shape of ``x``; ``dequantize`` returns, as float32 ``[N, K]``, the weight ``apply`` uses."""
 
     def __init__(self, method: str, out_features: int, in_features: int, group_size: int,
@@ -59,7 +60,15 @@ class QuantMethod:
         self.group_size = group_size  # 0 for int8
         self.dtype = dtype  # the model's (activations in and out)
 
-    def create(self, layer: nn.Module, weight: torch.Tensor) -> None:
+    @torch.no_grad()
+    def process_weights_after_loading(self, layer: nn.Module) -> bool:
+        if hasattr(layer, "qweight"):  # quantized already
+            return False
+        self.quantize_weights(layer, layer.weight.data)
+        del layer.weight
+        return True
+
+    def quantize_weights(self, layer: nn.Module, weight: torch.Tensor) -> None:
         raise NotImplementedError
 
     def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -77,8 +86,8 @@ class QuantMethod:
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-class CpuInt8Method(QuantMethod):
-    def create(self, layer: nn.Module, weight: torch.Tensor) -> None:
+class CpuInt8Method(QuantizedLinearMethod):
+    def quantize_weights(self, layer: nn.Module, weight: torch.Tensor) -> None:
         self.compute_dtype = torch.bfloat16 if self.dtype == torch.float32 else self.dtype
         q, scales = quantize_int8(weight)
         layer.qweight = _param(q)
@@ -101,8 +110,8 @@ def unpack_int4_cpu_t(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     The layout is PyTorch's internal one (torch 2.13, read off the op): rows in blocks of 64,
     ``[k, 32]`` bytes per block with row j in the low and row j + 32 in the high nibble, then a
     tail block of ``n % 64`` rows stored ``[k, tail / 2]`` with row pairs sharing a byte.
-    ``CpuInt4Method.create`` checks it on every layer and stops relying on it if it changes.
-    Transposed because that is the cheap direction: 64-byte runs are copied whole.
+    ``CpuInt4Method.quantize_weights`` checks it on every layer and stops relying on it if it
+    changes. Transposed because that is the cheap direction: 64-byte runs are copied whole.
     """
     main = n - n % 64
     parts = []
@@ -120,9 +129,9 @@ def unpack_int4_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return unpack_int4_cpu_t(packed, n, k).t()
 
 
-class CpuInt4Method(QuantMethod):
+class CpuInt4Method(QuantizedLinearMethod):
     # The op packs rows in multiples of 16: smaller layers get zero rows, sliced off the output.
-    def create(self, layer: nn.Module, weight: torch.Tensor) -> None:
+    def quantize_weights(self, layer: nn.Module, weight: torch.Tensor) -> None:
         self.compute_dtype = torch.bfloat16 if self.dtype == torch.float32 else self.dtype
         codes, scales, mins = quantize_int4(weight, self.group_size)
         self.padded_n = -(-self.out_features // 16) * 16
@@ -150,7 +159,7 @@ class CpuInt4Method(QuantMethod):
     def _weight_t(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """``W^T`` ``[K, padded N]`` in ``dtype``. The math runs in float32 (exact codes, one
         rounding, and faster than bf16 elementwise math on CPU), a few groups at a time so the
-        float32 temporaries stay in cache (2x faster on SmolLM2's gate_up)."""
+        float32 temporaries stay in cache."""
         n, k, g = self.padded_n, self.in_features, self.group_size
         sz = layer.scales_and_zeros.float()  # [G, N, 2]
         scales = sz[..., 0].unsqueeze(1)
@@ -176,10 +185,10 @@ class CpuInt4Method(QuantMethod):
         return self._weight_t(layer, torch.float32).t()[: self.out_features]
 
 
-class TorchDequantMethod(QuantMethod):
+class TorchDequantMethod(QuantizedLinearMethod):
     """Plain layout (int8 ``[N, K]``; int4 two codes per byte), dequantized on every call."""
 
-    def create(self, layer: nn.Module, weight: torch.Tensor) -> None:
+    def quantize_weights(self, layer: nn.Module, weight: torch.Tensor) -> None:
         if self.method == "int8":
             q, scales = quantize_int8(weight)
             layer.qweight = _param(q)
@@ -209,23 +218,9 @@ class TritonMethod(TorchDequantMethod):
         return wq_matmul(x.contiguous(), layer.qweight, layer.scales, mins, self.group_size)
 
 
-_METHODS = {"cpu": {"int8": CpuInt8Method, "int4": CpuInt4Method},
-            "torch": {"int8": TorchDequantMethod, "int4": TorchDequantMethod},
-            "triton": {"int8": TritonMethod, "int4": TritonMethod}}
-
-
-def make_quant_method(config: QuantConfig, weight: torch.Tensor,
-                      backend: str) -> QuantMethod | None:
-    """The method for one layer's (local shard of) ``weight``, or None to keep it in float."""
-    n, k = weight.shape
-    group = 0
-    if config.method == "int4":
-        group = choose_group_size(k, config.group_size)
-        if group is None:
-            return None
-    if backend == "cpu" and weight.device.type != "cpu":
-        raise ValueError(f"quantization backend 'cpu' needs CPU weights, got {weight.device}")
-    if (backend == "triton" and weight.device.type == "cpu"
-            and os.environ.get("TRITON_INTERPRET") != "1"):
-        raise ValueError("quantization backend 'triton' needs CUDA (or TRITON_INTERPRET=1)")
-    return _METHODS[backend][config.method](config.method, n, k, group, weight.dtype)
+# backend -> method -> class (method_factory.make_linear_method picks one per layer)
+QUANT_METHODS: dict[str, dict[str, type[QuantizedLinearMethod]]] = {
+    "cpu": {"int8": CpuInt8Method, "int4": CpuInt4Method},
+    "torch": {"int8": TorchDequantMethod, "int4": TorchDequantMethod},
+    "triton": {"int8": TritonMethod, "int4": TritonMethod},
+}

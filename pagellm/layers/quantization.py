@@ -10,6 +10,8 @@ Rounding to nearest bounds the error of every weight by half a step: ``scale / 2
 ``quantize_model`` runs after the weights are loaded. Each rank quantizes its own shard, so the
 scales are sharded with their weights under tensor parallelism (a row-parallel shard only needs
 its K to be a multiple of the group). The kernels behind each layer are in quant_methods.py.
+The layers (and config.py) import this module, so it imports none of them back:
+``quantize_model`` finds the linears by their ``quantize_`` (``QuantizableLayer``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -112,6 +115,13 @@ def choose_group_size(in_features: int, requested: int) -> int | None:
 
 
 # ---- applying it to a model ----------------------------------------------------------------
+@runtime_checkable
+class QuantizableLayer(Protocol):
+    """A layer that can quantize its loaded weight (the linears: ``LinearBase.quantize_``)."""
+
+    def quantize_(self, config: QuantConfig, backend: str = "auto") -> int | None: ...
+
+
 @dataclass
 class QuantReport:
     config: QuantConfig
@@ -152,15 +162,13 @@ def quantize_model(model: nn.Module, spec: str | QuantConfig | None,
 
     Embeddings, the LM head, norms and biases stay in the model dtype.
     """
-    from pagellm.layers.linear import LinearBase
-
     config = parse_quantization(spec)
     if config is None:
         return None
     device = next(model.parameters()).device
     report = QuantReport(config, resolve_backend(backend, device), bytes_before=param_bytes(model))
     for name, module in model.named_modules():
-        if not isinstance(module, LinearBase):
+        if not isinstance(module, QuantizableLayer):
             continue
         group = module.quantize_(config, report.backend)
         if group is None:

@@ -8,18 +8,21 @@ weight crosses memory once, quantized. Storage (see quantization.py, "plain" lay
   ``[N, K // group]``; W = q * scale + min. ``BLOCK_K`` divides the group size, so every K tile
   reads one scale/min per output column.
 
-Triton is imported at module load: only quantization.py imports this module, and only when the
+Triton is imported at module load: only quant_methods.py imports this module, and only when the
 triton path is chosen. On CPU tensors the kernel runs under ``TRITON_INTERPRET=1`` (tests).
 Block sizes are fixed heuristics, not autotuned.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from pagellm.config import read_env
+
+# Read once, like triton.jit, which picks the interpreter when it decorates the kernel below.
+_INTERPRETING = read_env().triton_interpret
 
 
 @triton.jit
@@ -67,10 +70,6 @@ def _wq_matmul_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def wq_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
               mins: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
     """``x [M, K] @ dequant(qweight)^T -> [M, N]`` in ``x.dtype`` (int4 when ``mins`` is given)."""
@@ -94,7 +93,7 @@ def wq_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x, qweight, scales, mins if int4 else scales, y,
         m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0) if int4 else 1, y.stride(0),
-        INT4=int4, GROUP=max(group_size, 1), UPCAST=_interpreting() or x.dtype == torch.float32,
+        INT4=int4, GROUP=max(group_size, 1), UPCAST=_INTERPRETING or x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return y

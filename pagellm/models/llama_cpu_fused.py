@@ -1,8 +1,8 @@
 """Steps of a Llama-style model on CPU as one kernel call (``cpu_ops.llama_forward``).
 
-At batch 1 the Python around each op (module calls, kernel wrappers, allocations: ~200 us a
-layer) cost as much as reading the weights, and it stays ~4-8 ms a step at any size (6-7% of a
-256-token prefill step). For a step (decode tokens, prefill chunks or both) whose projections
+At batch 1 the Python around each op (module calls, kernel wrappers, allocations) costs as
+much as reading the weights, and it stays a fixed cost per step at any size (figures:
+docs/attention.md). For a step (decode tokens, prefill chunks or both) whose projections
 one linear kernel serves, the C++ side runs the layers' own kernels in the modules' order, so
 the hidden states are bit-identical to the module path. Two kinds qualify: bfloat16 weights on
 the AMX kernel (steps of up to ``AMX_LINEAR_MAX_ROWS`` tokens), and bfloat16 or float32 weights
@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import torch
 from torch import nn
 
 from pagellm.attention.cpu_backend import CpuAttentionBackend, plan_step
+from pagellm.config import read_env
 from pagellm.forward_context import get_forward_context
 from pagellm.kernels import cpu_ops
+from pagellm.kernels.cpu_matmul import AMX_LINEAR_MAX_ROWS
 from pagellm.kernels.cpu_ops import ptr
 from pagellm.layers.activation import SiluAndMul
-from pagellm.layers.linear import AMX_LINEAR_MAX_ROWS, LinearBase
+from pagellm.layers.linear import LinearBase
+from pagellm.layers.linear_method import UnquantizedLinearMethod
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding
 from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
@@ -35,19 +37,21 @@ logger = logging.getLogger(__name__)
 
 
 def fused_cpu_enabled() -> bool:
-    return os.environ.get("PAGELLM_FUSED_CPU", "1").lower() not in ("0", "false", "no", "off")
+    return read_env().fused_cpu
 
 
 def _linear_kind(m: LinearBase, dtype: torch.dtype) -> str | None:
     """"amx" (plain bfloat16 weight on the AMX kernel), "packed" (cpu_ops.linear_packed), or
-    None where the fused path cannot run this layer."""
-    if m.quant_method is not None or m.tp_size != 1 or not (m.bias is None
-                                                            or m.bias.is_contiguous()):
+    None where the fused path cannot run this layer (quantized, sharded, another kernel)."""
+    method = m.linear_method
+    if (type(method) is not UnquantizedLinearMethod or m.tp_size != 1
+            or not (m.bias is None or m.bias.is_contiguous())):
         return None
-    if m.cpu_packed and m.weight.dtype == dtype:
+    kind = method.cpu_kind
+    if kind == "packed" and m.weight.dtype == dtype:
         return "packed"
-    # amx_max_numel > 0: the weight (and a bias, if any) passed cpu_ops.linear's checks.
-    if m.amx_max_numel > 0 and dtype == torch.bfloat16:
+    # "amx": the weight (and a bias, if any) passed cpu_ops.linear's checks.
+    if kind == "amx" and dtype == torch.bfloat16:
         return "amx"
     return None
 
@@ -77,6 +81,7 @@ class LlamaCpuFused:
         self.max_tokens = AMX_LINEAR_MAX_ROWS if kind == "amx" else None
         self._kv_caches: list | None = None
         self._layers: ctypes.Array | None = None
+        self._num_blocks = 0  # blocks of every layer's cache (the kernels' bound on block ids)
         # Steps with prefill chunks need the prefill kernel for this head size.
         self.prefill_ok = cpu_ops.prefill_head_dim_supported(attn.head_dim, self.dtype)
 
@@ -128,7 +133,9 @@ class LlamaCpuFused:
         for i, layer in enumerate(layers):
             k, v = kv_caches[layer.self_attn.attn.layer_idx]
             if not (k.dtype == v.dtype == self.dtype and k.is_cpu and k.is_contiguous()
-                    and v.is_contiguous() and k.shape[-2:] == (self.shape.num_kv_heads,
+                    and v.is_contiguous() and k.shape == v.shape
+                    and k.shape[:2] == kv_caches[0][0].shape[:2]
+                    and k.shape[-2:] == (self.shape.num_kv_heads,
                                                                self.shape.head_dim)):
                 return False
             sa, mlp = layer.self_attn, layer.mlp
@@ -140,6 +147,7 @@ class LlamaCpuFused:
                 down=ptr(mlp.down_proj.weight), down_bias=ptr(mlp.down_proj.bias),
                 k_cache=ptr(k), v_cache=ptr(v))
             self.shape.block_size = k.shape[1]
+            self._num_blocks = k.shape[0]
         self._layers = table
         return True
 
@@ -180,7 +188,8 @@ class LlamaCpuFused:
             num_items=plan.lens.numel(), final_norm=self.model.norm.weight.data_ptr(),
             num_prefill=plan.prefill_rows.numel(), prefill_rows=plan.prefill_rows.data_ptr(),
             prefill_lens=plan.prefill_lens.data_ptr(), prefill_ctx=plan.prefill_ctx.data_ptr(),
-            prefill_bt_rows=plan.prefill_bt_rows.data_ptr())
+            prefill_bt_rows=plan.prefill_bt_rows.data_ptr(), num_blocks=self._num_blocks,
+            bt_height=tables.shape[0], bt_width=tables.shape[1])
         cpu_ops.llama_forward(self._layers, s, step)
         return hidden
 
