@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+# Scratch buffers a backend reuses from step to step, keyed by (slot, dtype, device, inference
+# mode). The model runner gives all layers of its model one (they run one after another).
+Workspace = dict[tuple[int, torch.dtype, torch.device, bool], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -43,6 +48,9 @@ class AttentionMetadata:
     # reads as zero: backends may then skip zeroing gathered padding (the model runner ensures
     # it; tests that fill caches with NaN leave it False).
     padding_is_zero: bool = False
+    # What a backend derives once per step for all layers (the CPU backend's plan): kept on the
+    # step's metadata, so it dies with the step and is never shared between engines.
+    step_plan: Any = None
 
 
 class AttentionBackend(abc.ABC):
@@ -70,6 +78,8 @@ class AttentionBackend(abc.ABC):
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        # Its own until the model runner shares one among its model's layers.
+        self.workspace: Workspace = {}
 
     @abc.abstractmethod
     def forward(

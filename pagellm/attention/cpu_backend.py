@@ -2,10 +2,11 @@
 
 Per step: every new K/V is written to its slot by one kernel call (strided rows straight from
 the QKV projection, no copies); all decode tokens of the batch are attended by one kernel call
-that reads each sequence's blocks where they lie, parallel over sequences. Prefill chunks, with
-AMX (bfloat16), are one more call: a flash-style kernel over the cache (``cpu_prefill.cpp``,
-1.1-2.2x SDPA); otherwise SDPA, a chunk with no cached context attending its own new K/V
-directly, one with context gathering its blocks (the torch backend's path).
+that reads each sequence's blocks where they lie, parallel over sequences. Prefill chunks are one
+more call where a prefill kernel takes the dtype and head size: flash style over the cache
+(``cpu_prefill.cpp``: AMX in bfloat16; ``cpu_prefill_vec.cpp``: AVX-512 in either dtype);
+otherwise SDPA, a chunk with no cached context attending its own new K/V directly, one with
+context gathering its blocks (the torch backend's path).
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from pagellm.kernels import cpu_ops
 
 @dataclass(slots=True)
 class _StepPlan:
-    """What every layer of one step needs, computed once per step (the first layer builds it).
+    """What every layer of one step needs, computed once per step (the first layer builds it
+    and keeps it on the step's metadata).
 
     One kernel item per decode token: ``token_rows`` (its row in the batch), ``lens`` (how many
     cached tokens it attends to) and ``bt_rows`` (its sequence's row of ``block_tables``).
     """
 
-    meta: AttentionMetadata
     token_rows: torch.Tensor  # int64 [items]
     lens: torch.Tensor  # int32 [items]
     bt_rows: torch.Tensor  # int64 [items]
@@ -46,13 +47,10 @@ class _StepPlan:
     prefill_bt_rows: torch.Tensor  # int64
 
 
-_last_plan: list[_StepPlan] = []
-
-
 def plan_step(meta: AttentionMetadata) -> _StepPlan:
     """The step's plan, built by the first layer that asks and shared by the others."""
-    if _last_plan and _last_plan[0].meta is meta:
-        return _last_plan[0]
+    if meta.step_plan is not None:
+        return meta.step_plan
     starts = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
     decode_seqs, prefill_seqs = split_decode_prefill(meta)
     seq_of_row = np.asarray(decode_seqs, dtype=np.int64)
@@ -63,7 +61,6 @@ def plan_step(meta: AttentionMetadata) -> _StepPlan:
         block_tables = block_tables.to(torch.int32).contiguous()
     pre = np.asarray(prefill_seqs, dtype=np.int64)
     plan = _StepPlan(
-        meta=meta,
         token_rows=torch.from_numpy(rows),
         lens=torch.from_numpy(lens.astype(np.int32)),
         bt_rows=torch.from_numpy(seq_of_row),
@@ -75,7 +72,7 @@ def plan_step(meta: AttentionMetadata) -> _StepPlan:
             np.asarray(meta.seq_lens_cpu, dtype=np.int64)[pre].astype(np.int32)),
         prefill_bt_rows=torch.from_numpy(pre),
     )
-    _last_plan[:] = [plan]
+    meta.step_plan = plan
     return plan
 
 

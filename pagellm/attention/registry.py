@@ -12,18 +12,16 @@ from pagellm.attention.backend import AttentionBackend
 
 BACKEND_NAMES = ("auto", "cpu", "torch", "triton")
 
+# For layers used outside an engine (tests, scripts): an engine names its backend on every
+# layer of its model (the model runner), so engines neither read nor change this.
 _default_backend = "auto"
 
 
 def set_default_backend(name: str) -> None:
-    """Backend used by ``Attention`` layers built without an explicit ``backend_name``."""
+    """Backend of ``Attention`` layers that name none and belong to no engine."""
     global _default_backend
     _check_name(name)
     _default_backend = name
-
-
-def get_default_backend() -> str:
-    return _default_backend
 
 
 def _check_name(name: str) -> None:
@@ -41,7 +39,7 @@ def _import_triton() -> type[AttentionBackend]:
 
 
 def get_attn_backend_cls(name: str | None, device: torch.device | str) -> type[AttentionBackend]:
-    """The backend class for ``name`` (None: the default set by the runner) on ``device``."""
+    """The backend class for ``name`` (None: ``set_default_backend``'s) on ``device``."""
     name = name or _default_backend
     _check_name(name)
     device = torch.device(device)

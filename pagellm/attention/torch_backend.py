@@ -52,9 +52,6 @@ def split_decode_prefill(meta: AttentionMetadata) -> tuple[list[int], list[int]]
     return decode_seqs, prefill_seqs
 
 
-_WORKSPACE: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-
-
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -88,7 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
 
         NOTE: index_select of whole rows into a reused buffer; advanced indexing (``cache[ids]``)
         copies element by element and a fresh allocation per layer costs page faults, together
-        about 4x slower on CPU. The buffers are only valid until the next layer's call."""
+        far slower on CPU. The buffers are only valid until the next layer's call."""
         num_seqs, num_blocks = block_tables.shape
         block_numel = k_cache[0].numel()
         ids = block_tables.reshape(-1).long()
@@ -101,9 +98,9 @@ class TorchAttentionBackend(AttentionBackend):
         return out[0], out[1]
 
     def _workspace(self, slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
-        # Shared by every layer: layers run one after another and each consumes its gathered
-        # K/V before the next one gathers.
-        buffers = _WORKSPACE
+        # Shared by every layer of an engine's model: layers run one after another and each
+        # consumes its gathered K/V before the next one gathers.
+        buffers = self.workspace
         # A buffer made under inference mode cannot be written outside it (tests mix both).
         key = (slot, like.dtype, like.device, torch.is_inference_mode_enabled())
         buf = buffers.get(key)

@@ -44,7 +44,7 @@ def get_hash_fn(algo: str) -> HashFn:
     ``"sha256"`` (default) is the reference. ``"blake2b"`` (32-byte digest) is an alternative
     from the standard library, equally collision-resistant: it is faster in software on CPUs
     without SHA extensions, and no faster (slower on long inputs) on CPUs with them. For
-    16-token blocks both cost about 0.5 us, mostly Python call overhead, so the choice matters
+    16-token blocks both cost little next to the Python call around them, so the choice matters
     little. Hashes of the two algorithms never match each other.
     """
     if algo == "sha256":

@@ -152,8 +152,8 @@ class BlockPool:
         the back of the free queue, in the given order (first = evicted first: callers pass a
         request's blocks tail first); one that holds nothing reusable goes to the front, to be
         handed out next: the pool's working set stays as small as the load (on the CPU a block
-        never handed out is memory never touched, whose first write costs page faults: a
-        256-token prefill step was 12-14% slower on fresh pages), and it never evicts a cached
+        never handed out is memory never touched, whose first write costs page faults that slow a
+        prefill step), and it never evicts a cached
         block before one that holds nothing."""
         for block in ordered_blocks:
             assert block.ref_cnt > 0, f"double free of {block}"

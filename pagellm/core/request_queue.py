@@ -3,6 +3,10 @@
 Under ``priority``, a lower ``Request.priority`` is served sooner (as in vLLM); ties go to the
 earlier ``arrival_time``, then to the earlier add. A preempted request keeps its key, so it goes
 back ahead of everything that arrived after it at its priority.
+
+Both queues: ``add`` (a new arrival), ``prepend`` (a preempted request, served before newer
+ones), ``peek``/``pop`` (the next to admit; IndexError when empty), ``remove`` (an aborted
+request; ValueError when absent), iteration in admission order.
 """
 
 from __future__ import annotations
@@ -11,33 +15,10 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterator
-from typing import Protocol
 
 from pagellm.request import Request
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-
-
-class RequestQueue(Protocol):
-    def add(self, request: Request) -> None:
-        """A newly arrived request."""
-
-    def prepend(self, request: Request) -> None:
-        """A preempted request, to be served before newer ones."""
-
-    def peek(self) -> Request:
-        """The request to admit next (IndexError when empty)."""
-
-    def pop(self) -> Request:
-        """Remove and return ``peek()``."""
-
-    def remove(self, request: Request) -> None:
-        """Remove an aborted request (ValueError when absent)."""
-
-    def __len__(self) -> int: ...
-
-    def __iter__(self) -> Iterator[Request]:
-        """In the order they would be admitted."""
 
 
 class FCFSQueue:

@@ -99,12 +99,31 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
-        kv = self.kv_cache_manager
-        budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: set[str] = set()
+        budget = self._schedule_running(self.max_num_batched_tokens, num_scheduled, cached,
+                                        preempted)
+        # A step that had to preempt is short of blocks: admitting more would only preempt again.
+        if not preempted:
+            budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        return out
+
+    def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
+                          cached: CachedRequestData, preempted: set[str]) -> int:
+        """Give the running requests their tokens, in order, preempting when blocks run out;
+        fills ``num_scheduled``, ``cached`` and ``preempted``. Returns the budget left."""
+        kv = self.kv_cache_manager
         if self.policy == "priority":
             # Sorted, running[i:] are never more urgent than running[:i]: the victim below is
             # always the globally least urgent request not yet given tokens this step.
@@ -143,10 +162,14 @@ class Scheduler:
             request.num_computed_tokens += num_new
             budget -= num_new
             i += 1
+        return budget
 
-        # A step that had to preempt is short of blocks: admitting more would only preempt again.
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
+                          new_reqs: list[NewRequestData]) -> int:
+        """Admit waiting requests in queue order while blocks, budget and ``max_num_seqs``
+        allow; fills ``num_scheduled`` and ``new_reqs``. Returns the budget left."""
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
@@ -171,17 +194,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             request.num_computed_tokens = num_hit + num_new
             budget -= num_new
-
-        out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted,
-        )
-        self.finished_req_ids = set()
-        return out
+        return budget
 
     def _victim_index(self, start: int) -> int:
         """Which of ``running[start:]`` (not yet scheduled this step) to preempt."""

@@ -18,11 +18,12 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pagellm.config import EngineArgs, EngineConfig
-from pagellm.engine.core_proc import EngineCoreClient, EngineCoreOutputs, EngineDeadError
-from pagellm.engine.errors import RequestFailedError
+from pagellm.config import EngineConfig
+from pagellm.engine.core_proc import EngineCoreClient, EngineCoreOutputs
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputKind, OutputProcessor
+from pagellm.engine_args import EngineArgs
+from pagellm.errors import EngineDeadError, RequestFailedError
 from pagellm.metrics.logger import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
 from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.metrics.request_stats import IterationMetrics, RequestStatsTracker

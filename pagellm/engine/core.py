@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagellm.core.scheduler import Scheduler
-from pagellm.engine.errors import EngineStepsFailedError
+from pagellm.errors import EngineStepsFailedError, WorkerFailedError
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import FinishReason, Request, RequestStatus
-from pagellm.worker.multiproc_executor import WorkerFailedError
 
 logger = logging.getLogger("pagellm")
 

@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 
 from pagellm.core.sched_output import EngineCoreOutput
+from pagellm.errors import EngineDeadError
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import Request, RequestStatus
 
@@ -36,10 +37,6 @@ logger = logging.getLogger("pagellm")
 
 _PARENT_CHECK_MS = 1000  # how often an idle engine checks that its parent is still alive
 _UTILITIES = ("reset_prefix_cache",)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core process exited or failed; no request can be served any more."""
 
 
 @dataclass(slots=True)

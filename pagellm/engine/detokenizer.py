@@ -153,10 +153,6 @@ class IncrementalDetokenizer:
     def output_text(self) -> str:
         return self._text
 
-    @property
-    def finished_by_stop(self) -> bool:
-        return self.stop_reason is not None
-
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         if self.stop_reason is not None or not new_token_ids:
             return None

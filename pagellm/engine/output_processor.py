@@ -116,38 +116,55 @@ class OutputProcessor:
             sample = state.samples[out.req_id]
             if sample.finish_reason is not None:
                 continue
-            if out.new_token_ids:
-                if state.first_token_time is None or sample.index == 0:
-                    # n > 1: sample 0's hit, what the prompt found; its siblings hit the blocks
-                    # it computed (that is sharing, not a cache hit).
-                    state.num_cached_tokens = out.num_cached_tokens
-                if state.first_token_time is None:
-                    state.first_token_time = now
-                state.last_token_time = now
-                self._add_logprobs(sample, out.new_logprobs)
-                # EOS / stop token ids: the token stays in token_ids, its text stays out.
-                stop_str = sample.detok.update(out.new_token_ids,
-                                               stop_terminated=out.finish_reason == "stop")
-                sample.token_ids = sample.detok.output_token_ids  # cut after a stop string
-                if stop_str is not None:
-                    sample.finish_reason, sample.stop_reason = "stop", stop_str
-                    if out.finish_reason is None:
-                        reqs_to_stop.append(out.req_id)
+            if out.new_token_ids and self._update_sample(state, sample, out, now):
+                reqs_to_stop.append(out.req_id)
             if sample.finish_reason is None and out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             if sample.finish_reason is not None:
-                state.num_unfinished -= 1
-                self._parent_of.pop(out.req_id, None)
-                if sample.finish_reason == FinishReason.ERROR:
-                    reqs_to_abort += self._fail_siblings(state)
-            ro = self._make_output(state, sample)
-            if state.finished:
-                del self.requests[parent]
+                self._finish_sample(state, sample, out.req_id, reqs_to_abort)
+            ro = self._request_output(state, sample)
             if ro is not None:
-                if state.queue is not None:
-                    state.queue.put_nowait(ro)
                 request_outputs.append(ro)
         return ProcessedOutputs(request_outputs, reqs_to_stop, reqs_to_abort)
+
+    def _update_sample(self, state: RequestState, sample: _Sample, out: EngineCoreOutput,
+                       now: float) -> bool:
+        """Take a sample's new tokens (timing, logprobs, text). True when a stop string ended
+        it before the engine core did (the core must then be told to stop it)."""
+        if state.first_token_time is None or sample.index == 0:
+            # n > 1: sample 0's hit, what the prompt found; its siblings hit the blocks
+            # it computed (that is sharing, not a cache hit).
+            state.num_cached_tokens = out.num_cached_tokens
+        if state.first_token_time is None:
+            state.first_token_time = now
+        state.last_token_time = now
+        self._add_logprobs(sample, out.new_logprobs)
+        # EOS / stop token ids: the token stays in token_ids, its text stays out.
+        stop_str = sample.detok.update(out.new_token_ids,
+                                       stop_terminated=out.finish_reason == "stop")
+        sample.token_ids = sample.detok.output_token_ids  # cut after a stop string
+        if stop_str is None:
+            return False
+        sample.finish_reason, sample.stop_reason = "stop", stop_str
+        return out.finish_reason is None
+
+    def _finish_sample(self, state: RequestState, sample: _Sample, sample_id: str,
+                       reqs_to_abort: list[str]) -> None:
+        """A sample finished: count it off its request; a failed one fails its siblings."""
+        state.num_unfinished -= 1
+        self._parent_of.pop(sample_id, None)
+        if sample.finish_reason == FinishReason.ERROR:
+            reqs_to_abort += self._fail_siblings(state)
+
+    def _request_output(self, state: RequestState, sample: _Sample) -> RequestOutput | None:
+        """The request's output for this update (None when its kind sends none yet), also put
+        on its queue; a finished request is forgotten."""
+        ro = self._make_output(state, sample)
+        if state.finished:
+            del self.requests[state.request_id]
+        if ro is not None and state.queue is not None:
+            state.queue.put_nowait(ro)
+        return ro
 
     def _fail_siblings(self, state: RequestState) -> list[str]:
         """One sample failed: the request fails whole; its unfinished samples end now."""

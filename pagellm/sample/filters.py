@@ -68,16 +68,18 @@ def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int)
     return logits
 
 
-def exponential_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                       default_generator: torch.Generator | None = None) -> torch.Tensor:
     """argmax(probs / E) with E ~ Exp(1) i.i.d. draws a token with probability ``probs``.
 
     Rows in ``generators`` draw their noise from their own generator, so a seeded request gets
-    the same tokens whatever else is in the batch; all other rows share one draw.
+    the same tokens whatever else is in the batch; all other rows share one draw from
+    ``default_generator`` (None: torch's global one).
     Overwrites ``probs``. Returns int64 [B].
     """
     noise = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
-        noise.exponential_()
+        noise.exponential_(generator=default_generator)
     # NOTE: the only per-row Python loop of the sampler, over seeded rows only.
     for row, generator in generators.items():
         noise[row].exponential_(generator=generator)

@@ -15,7 +15,6 @@ from pagellm.sample.penalties import apply_penalties
 _NEG_INF = float("-inf")
 
 
-
 @dataclass(slots=True)
 class SamplerOutput:
     """``sampled_token_ids`` int64 [B]. With logprobs (any row asked), ``logprobs_token_ids`` and
@@ -83,7 +82,13 @@ class Sampler:
 
     Logprobs come from the raw logits (before any of that). ``logits`` [B, V] are upcast to
     float32; float32 logits are modified in place.
+
+    Unseeded random rows draw from ``generator`` (an engine's own, seeded with its
+    ``--seed``); None: torch's global generator.
     """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
 
     @staticmethod
     def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -116,8 +121,7 @@ class Sampler:
             logits = apply_penalties(logits, meta.penalties)
         return logits
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if meta.all_greedy:
             return argmax_rows(logits)
         greedy = None if meta.all_random else argmax_rows(logits)
@@ -132,7 +136,7 @@ class Sampler:
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
         probs = logits.softmax(dim=-1)
-        sampled = exponential_sample(probs, meta.generators)
+        sampled = exponential_sample(probs, meta.generators, self.generator)
 
         if greedy is None:
             return sampled

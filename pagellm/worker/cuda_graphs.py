@@ -41,7 +41,6 @@ from pagellm.forward_context import set_forward_context
 
 if TYPE_CHECKING:
     from pagellm.config import EngineConfig
-    from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagellm")
 
@@ -249,20 +248,20 @@ class GraphRunner:
         self.capture_seconds = time.perf_counter() - start
 
 
-def build_graph_runner(runner: ModelRunner, sizes: list[int], reserved_bytes: int
-                       ) -> GraphRunner | None:
-    """Capture the decode graphs of a model runner whose KV cache is allocated (None when
-    ``sizes`` is empty: graphs are off). Logs the capture time and memory against the
-    reservation the memory plan made."""
+def build_graph_runner(config: EngineConfig, model: torch.nn.Module,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_blocks: int,
+                       sizes: list[int], reserved_bytes: int) -> GraphRunner | None:
+    """Capture the decode graphs of a model whose KV cache (``num_blocks`` blocks, then the
+    null and scratch blocks) is allocated (None when ``sizes`` is empty: graphs are off). Logs
+    the capture time and memory against the reservation the memory plan made."""
     if not sizes:
         return None
-    config = runner.config
     graphs = GraphRunner(
-        runner.model, runner.kv_caches, sizes, max_model_len=config.scheduler.max_model_len,
-        block_size=config.cache.block_size, null_block_id=runner.num_blocks,
-        scratch_block_id=runner.num_blocks + 1,
-        hidden_size=int(config.model.hf_config.hidden_size), dtype=runner.dtype,
-        device=runner.device, use_cuda_graphs=True)
+        model, kv_caches, sizes, max_model_len=config.scheduler.max_model_len,
+        block_size=config.cache.block_size, null_block_id=num_blocks,
+        scratch_block_id=num_blocks + 1,
+        hidden_size=int(config.model.hf_config.hidden_size), dtype=config.model.dtype,
+        device=config.device.device, use_cuda_graphs=True)
     graphs.reserved_bytes = reserved_bytes
     graphs.capture()
     mib = 2**20

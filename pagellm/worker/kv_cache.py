@@ -73,7 +73,7 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int, device: torch.devi
     Only the two extra blocks are zeroed here: the runner zeroes every block when it is handed
     out (ModelRunner._zero_new_blocks) where the attention backend reads unwritten slots (the
     CPU kernels never do), so the pool itself is left uninitialized. That makes
-    allocation instant (a 4 GiB CPU pool took 3.3 s to zero and committed all its pages at once)
+    allocation instant (zeroing a multi-GiB CPU pool takes seconds and commits all its pages)
     and memory is touched only as blocks are used; the block pool hands freed blocks out again
     first (BlockPool.free_blocks), so the touched part stays as large as the peak load.
 

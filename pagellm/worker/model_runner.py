@@ -9,12 +9,13 @@ import time
 import numpy as np
 import torch
 
-from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.backend import AttentionMetadata, Workspace
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.communication import all_reduce_min, broadcast_from_rank0
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagellm.forward_context import set_forward_context
+from pagellm.layers.attention import Attention
 from pagellm.layers.linear import prepack_linears_for_cpu
 from pagellm.models.llama_cpu_fused import enable_fused_cpu_forward
 from pagellm.sample.metadata import SamplingMetadata
@@ -31,6 +32,19 @@ from pagellm.worker.kv_cache import allocate_kv_caches, plan_for_device
 logger = logging.getLogger("pagellm")
 
 
+@dataclasses.dataclass(slots=True)
+class PreparedInputs:
+    """One step's flat batch on the device, and which of its sequences sample."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    # The batch row of each sampling sequence's last token (the LM head's input rows).
+    logits_indices: np.ndarray
+    # Each sampling sequence's index in the step's request order.
+    sample_rows: np.ndarray
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
         from pagellm.attention import registry
@@ -43,12 +57,15 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.eos_token_id = eos_token_id
         self.vocab_size = config.model.vocab_size
-        registry.set_default_backend(config.device.attention_backend)
+        self.attention_backend = config.device.attention_backend
         # Whether new blocks are zeroed (and attention told padding reads 0): only for
         # backends that gather whole blocks.
         self.zero_new_blocks = registry.get_attn_backend_cls(
-            None, self.device).needs_zeroed_blocks(self.dtype)
-        torch.manual_seed(config.model.seed)
+            self.attention_backend, self.device).needs_zeroed_blocks(self.dtype)
+        # This engine's noise for unseeded random sampling (torch's global generator would be
+        # shared with, and reseeded by, any other engine in the process).
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.model.seed)
         # Tensor parallelism: every rank runs the forward; only rank 0 samples (see _sample).
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         read_before = checkpoint_bytes_read()
@@ -57,6 +74,8 @@ class ModelRunner:
                                  self.device, config.model.load_format,
                                  config.model.quantization)
         self.model.eval()
+        # Before the fused CPU path, which asks the layers for their backend.
+        bind_attention_backends(self.model, self.attention_backend, self.device)
         prepack_linears_for_cpu(self.model)
         enable_fused_cpu_forward(self.model)
         self.load_seconds = time.perf_counter() - start
@@ -71,7 +90,7 @@ class ModelRunner:
                     self.device, rank, self.checkpoint_bytes_read / 2**20)
         sched = config.scheduler
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.generator)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.graph_runner: GraphRunner | None = None  # decode CUDA graphs (initialize_kv_cache)
@@ -102,7 +121,9 @@ class ModelRunner:
         self.num_blocks = plan.num_blocks
         self.kv_plan = plan
         # Captured after the KV cache exists: the graphs hold its addresses.
-        self.graph_runner = build_graph_runner(self, graph_sizes, reserve.reserved_bytes)
+        self.graph_runner = build_graph_runner(self.config, self.model, self.kv_caches,
+                                               self.num_blocks, graph_sizes,
+                                               reserve.reserved_bytes)
         logger.info("Start-up phases: load %.2f s, memory profile %.2f s, KV allocation %.2f s, "
                     "CUDA graph capture %.2f s", self.load_seconds, profile_seconds, kv_seconds,
                     self.graph_runner.capture_seconds if self.graph_runner else 0.0)
@@ -172,8 +193,7 @@ class ModelRunner:
                     v.index_fill_(0, index, 0)
 
     def _prepare_inputs(self, so: SchedulerOutput, states: list[CachedRequestState]
-                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray,
-                                   np.ndarray]:
+                        ) -> PreparedInputs:
         batch = self.input_batch
         bs = self.block_size
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
@@ -213,9 +233,11 @@ class ModelRunner:
             is_decode_only=bool((num_sched == 1).all()),
             padding_is_zero=self.zero_new_blocks,
         )
-        ids = torch.from_numpy(input_ids).to(dev, non_blocking=True)
-        pos = torch.from_numpy(positions).to(dev, non_blocking=True)
-        return ids, pos, meta, logits_indices, np.nonzero(sample_mask)[0]
+        return PreparedInputs(
+            input_ids=torch.from_numpy(input_ids).to(dev, non_blocking=True),
+            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
+            attn_metadata=meta, logits_indices=logits_indices,
+            sample_rows=np.nonzero(sample_mask)[0])
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -225,39 +247,53 @@ class ModelRunner:
         batch = self.input_batch
         order = [n.req_id for n in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
         states = [batch.requests[r] for r in order]
-        input_ids, positions, meta, logits_indices, sample_rows = self._prepare_inputs(so, states)
-        if self.graph_runner is not None and self.graph_runner.can_run(meta):
-            hidden = self.graph_runner.run(input_ids, positions, meta)  # padded to a bucket
-        else:
-            with set_forward_context(meta, self.kv_caches):
-                hidden = self.model(input_ids, positions)
+        inputs = self._prepare_inputs(so, states)
+        hidden = self._forward(inputs)
         sampled: list[list[int]] = [[] for _ in states]
         logprobs: list = [None] * len(states)
-        if len(logits_indices):
-            idx = torch.from_numpy(logits_indices).to(self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
-            sample_states = [states[i] for i in sample_rows]
-            out = self._sample(logits, sample_states) if self.tp_rank == 0 else None
-            if self.tp_size > 1:
-                # Rank 0's tokens keep every rank's persistent batch identical.
-                ids = (out.sampled_token_ids if out is not None else
-                       torch.empty(len(sample_states), dtype=torch.long, device=self.device))
-                ids = broadcast_from_rank0(ids)
-            records: list = [None] * len(sample_states)
-            if out is not None:
-                # One device->host copy per step: the tokens and every row's logprobs together.
-                tokens, records = out.to_host([s.sampling_params.logprobs for s in sample_states])
-            else:
-                tokens = ids.tolist()
-            for j, (i, state) in enumerate(zip(sample_rows.tolist(), sample_states,
-                                               strict=True)):
-                tok = int(tokens[j])
-                batch.append_token(state, tok)
-                sampled[i] = [tok]
-                logprobs[i] = records[j]
+        if len(inputs.logits_indices):
+            self._sample_and_append(hidden, inputs, states, sampled, logprobs)
         for state in states:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
         return ModelRunnerOutput(req_ids=order, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _forward(self, inputs: PreparedInputs) -> torch.Tensor:
+        """Hidden states of the step's tokens: a replayed CUDA graph for a decode step that fits
+        a bucket, else the model eagerly."""
+        meta = inputs.attn_metadata
+        if self.graph_runner is not None and self.graph_runner.can_run(meta):
+            return self.graph_runner.run(inputs.input_ids, inputs.positions, meta)
+        with set_forward_context(meta, self.kv_caches):
+            return self.model(inputs.input_ids, inputs.positions)
+
+    def _sample_and_append(self, hidden: torch.Tensor, inputs: PreparedInputs,
+                           states: list[CachedRequestState], sampled: list[list[int]],
+                           logprobs: list) -> None:
+        """Sample the sequences that reached the end of their known tokens, append each token
+        to its request in the persistent batch, and fill their entries of ``sampled`` and
+        ``logprobs`` (indexed like ``states``)."""
+        idx = torch.from_numpy(inputs.logits_indices).to(self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        sample_rows = inputs.sample_rows
+        sample_states = [states[i] for i in sample_rows]
+        out = self._sample(logits, sample_states) if self.tp_rank == 0 else None
+        if self.tp_size > 1:
+            # Rank 0's tokens keep every rank's persistent batch identical.
+            ids = (out.sampled_token_ids if out is not None else
+                   torch.empty(len(sample_states), dtype=torch.long, device=self.device))
+            ids = broadcast_from_rank0(ids)
+        records: list = [None] * len(sample_states)
+        if out is not None:
+            # One device->host copy per step: the tokens and every row's logprobs together.
+            tokens, records = out.to_host([s.sampling_params.logprobs for s in sample_states])
+        else:
+            tokens = ids.tolist()
+        batch = self.input_batch
+        for j, (i, state) in enumerate(zip(sample_rows.tolist(), sample_states, strict=True)):
+            tok = int(tokens[j])
+            batch.append_token(state, tok)
+            sampled[i] = [tok]
+            logprobs[i] = records[j]
 
     def _sample(self, logits: torch.Tensor, sample_states: list[CachedRequestState]
                 ) -> SamplerOutput:
@@ -278,6 +314,19 @@ class ModelRunner:
             vocab_size=self.vocab_size, device=self.device,
         )
         return self.sampler(logits, smeta)
+
+
+def bind_attention_backends(model: torch.nn.Module, backend_name: str,
+                            device: torch.device) -> None:
+    """Name this engine's backend on every attention layer of ``model`` that names none (the
+    process-wide default belongs to no engine), build the backends, and give them all one
+    scratch workspace: the layers run one after another."""
+    workspace: Workspace = {}
+    for module in model.modules():
+        if isinstance(module, Attention):
+            if module.backend_name is None:
+                module.backend_name = backend_name
+            module.get_backend(device).workspace = workspace
 
 
 def _step_seed(seed: int | None, position: int) -> int:

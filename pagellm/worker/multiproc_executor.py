@@ -26,15 +26,12 @@ from typing import Any, NoReturn
 
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.errors import WorkerFailedError
 
 logger = logging.getLogger("pagellm")
 
 WORKER_STARTUP_TIMEOUT_S = 900.0  # loading a large checkpoint from a slow disk
 _SHUTDOWN_GRACE_S = 5.0
-
-
-class WorkerFailedError(RuntimeError):
-    """A tensor-parallel worker died or raised; the engine cannot continue."""
 
 
 def free_port() -> int:

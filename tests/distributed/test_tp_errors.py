@@ -15,7 +15,7 @@ from tp_utils import pid_alive, prompts, tp2_llm
 
 from pagellm import LLM, SamplingParams
 from pagellm.config import check_tensor_parallel
-from pagellm.worker.multiproc_executor import WorkerFailedError
+from pagellm.errors import WorkerFailedError
 
 DEATH_NOTICE_S = 10.0  # "within seconds", with room for a loaded CI machine
 

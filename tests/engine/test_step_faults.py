@@ -11,9 +11,8 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.core import MAX_CONSECUTIVE_STEP_FAILURES
-from pagellm.engine.errors import EngineStepsFailedError, RequestFailedError
 from pagellm.engine.fault_injection import ENV_VAR, FaultInjector
-from pagellm.worker.multiproc_executor import WorkerFailedError
+from pagellm.errors import EngineStepsFailedError, RequestFailedError, WorkerFailedError
 
 POISON = 7  # the token id that makes a step raise; the good prompts never contain it
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -1,4 +1,5 @@
-"""Errors the engine reports to callers (EngineDeadError lives with the process in core_proc)."""
+"""Errors the engine reports to its callers, in one place (no torch: the front end and the
+server import them without the model stack)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,11 @@ class RequestFailedError(RuntimeError):
 class EngineStepsFailedError(RuntimeError):
     """Too many model steps in a row raised: the engine stops instead of failing every
     request that comes (see EngineCore.MAX_CONSECUTIVE_STEP_FAILURES)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process exited or failed; no request can be served any more."""
+
+
+class WorkerFailedError(RuntimeError):
+    """A tensor-parallel worker died or raised; the engine cannot continue."""
