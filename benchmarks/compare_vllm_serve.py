@@ -15,9 +15,9 @@ pagellm faster). Start-up is not timed. Check /proc/loadavg < 0.5 first; any oth
 makes the figures meaningless. Unknown flags go to ``pagellm serve``.
 
 ``--repeats N`` (N >= 2) interleaves instead, for machines whose speed drifts between minutes:
-both servers are started (each idles at ~1% CPU while the other runs), then every rate is run N
-times per server, alternating which goes first; each reported percentile is the median over the
-N runs, and the ratios of each back-to-back pair are printed too.
+both servers are started (an idle server takes next to no CPU while the other runs), then every
+rate is run N times per server, alternating which goes first; each reported percentile is the
+median over the N runs, and the ratios of each back-to-back pair are printed too.
 """
 
 from __future__ import annotations

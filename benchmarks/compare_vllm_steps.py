@@ -4,7 +4,7 @@ usage: python benchmarks/compare_vllm_steps.py [--shapes "0:256;16:256;16:640,38
        [--online 4,8] [--rounds 4] [--dtype bfloat16] [--vllm-python PATH] [--hf-dir DIR]
        [--out FILE.json]
 
-The machine's speed drifts up to 2x between minutes, so whole runs of two engines one after the
+The machine's speed drifts a lot between minutes, so whole runs of two engines one after the
 other compare poorly. Here each engine runs in-process in a worker process of its own (vLLM with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the settings of ../shared/PEERS.md, from its own venv),
 both stay loaded, and every measurement alternates between them round after round (the order
