@@ -35,7 +35,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # not supported yet: must stay None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
@@ -99,8 +99,9 @@ class SamplingParams:
             bad("repetition_penalty", "must be in (0, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             bad("logprobs", f"must be in [0, {_MAX_LOGPROBS}]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
-            bad("prompt_logprobs", f"must be in [0, {_MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None:
+            # Kept for vLLM's signature, but nothing computes them: refuse, not return none.
+            bad("prompt_logprobs", "is not supported yet (leave it None)")
         if any(not isinstance(s, str) or s == "" for s in self._stop_strs):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):

@@ -37,3 +37,11 @@ def test_clone_revalidates() -> None:
     assert (q.n, q.seed, q.stop_strs) == (1, 4, ["a"])
     with pytest.raises(ValueError, match="top_p"):
         p.clone(top_p=0)
+
+
+@pytest.mark.parametrize("k", [0, 1, 20])
+def test_prompt_logprobs_is_refused_not_ignored(k) -> None:
+    # Validated but never computed before: a caller asking for them got none, silently.
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported yet"):
+        SamplingParams(prompt_logprobs=k)
+    assert SamplingParams(prompt_logprobs=None).prompt_logprobs is None

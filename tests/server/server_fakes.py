@@ -4,8 +4,13 @@ the spawned engine process (pytest puts this directory on sys.path, which spawn 
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
+from typing import Any
+
+import httpx
 
 from pagellm.core.sched_output import EngineCoreOutput
 from pagellm.metrics.stats import SchedulerStats
@@ -29,9 +34,35 @@ def make_tokenizer():
 def make_config(max_model_len: int = 64, step_delay_s: float = 0.002,
                 fail_after_steps: int | None = None, fail_at_start: bool = False):
     model = SimpleNamespace(max_model_len=max_model_len, vocab_size=VOCAB_SIZE,
-                            served_model_name="fake-model")
-    return SimpleNamespace(model=model, step_delay_s=step_delay_s,
+                            served_model_name="fake-model", model=None)
+    scheduler = SimpleNamespace(max_num_seqs=8, policy="fcfs")
+    return SimpleNamespace(model=model, scheduler=scheduler, step_delay_s=step_delay_s,
                            fail_after_steps=fail_after_steps, fail_at_start=fail_at_start)
+
+
+# Each message's content, then a space: the word-level tokenizer reads it back as words.
+FAKE_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+@contextlib.asynccontextmanager
+async def fake_server(tokenizer: Any = None, limits: Any = None, **config_kwargs: Any
+                      ) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    """The real app (build_app, its middleware and lifespan) over AsyncLLM and the fake core,
+    served in this process through httpx's ASGI transport: (client, engine). Requests run as
+    tasks on this event loop, so a handler that blocks the loop blocks the test too."""
+    from pagellm.engine.async_llm import AsyncLLM
+    from pagellm.entrypoints.openai.api_server import build_app
+
+    engine = AsyncLLM(make_config(**config_kwargs), core_factory=FakeEngineCore,
+                      tokenizer=tokenizer or make_tokenizer(), eos_token_id=None,
+                      log_stats=False)
+    app = build_app(engine, chat_template=FAKE_CHAT_TEMPLATE, limits=limits)
+    # The unhandled-exception handler answers 500, then re-raises for the server's log.
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=transport, base_url="http://pagellm",
+                                     timeout=60) as client:
+            yield client, engine
 
 
 def next_token(last: int) -> int:

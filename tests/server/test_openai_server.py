@@ -191,12 +191,20 @@ def test_tokenize_detokenize_round_trip(server):
     assert post(server, "/detokenize", {"tokens": [10**9]}).status_code == 400
 
 
-def test_max_tokens_is_clamped_to_the_context(server, client):
+def test_max_tokens_past_the_context(server, client):
     ids = post(server, "/tokenize", {"prompt": PROMPT}).json()["tokens"]
     long_ids = (ids * 1000)[:1020]
-    r = client.completions.create(model="smol", prompt=long_ids, max_tokens=100,
-                                  temperature=0, extra_body={"ignore_eos": True})
-    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
+    # As vLLM and OpenAI: a 400 with the numbers, not a silently shorter completion.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smol", prompt=long_ids, max_tokens=100,
+                                  temperature=0)
+    err = e.value.body
+    assert err["param"] == "max_tokens" and "1020 input tokens" in err["message"]
+    assert "1024" in err["message"] and "100" in err["message"]
+    # null: the rest of the context.
+    r = post(server, "/v1/completions", {"model": "smol", "prompt": long_ids, "max_tokens": None,
+                                         "temperature": 0, "ignore_eos": True}).json()
+    assert r["usage"]["completion_tokens"] == 4 and r["choices"][0]["finish_reason"] == "length"
 
 
 BAD_REQUESTS = [

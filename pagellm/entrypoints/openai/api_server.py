@@ -29,7 +29,7 @@ from pagellm.entrypoints.openai.protocol import (
 )
 from pagellm.entrypoints.openai.serving_chat import ChatRenderer, OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagellm.entrypoints.openai.serving_engine import ServedModels
+from pagellm.entrypoints.openai.serving_engine import ServedModels, TokenizerPool
 from pagellm.entrypoints.openai.serving_errors import (
     bad_request,
     error_body,
@@ -104,8 +104,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
                           str(config.model.model or config.model.served_model_name),
                           config.model.max_model_len)
     renderer = ChatRenderer(engine.tokenizer, chat_template)
-    completions = OpenAIServingCompletion(engine, models, limits)
-    chat = OpenAIServingChat(engine, models, renderer, limits)
+    # One pool for every endpoint: the tokenizer is one object, used by one thread at a time.
+    tokenizer_pool = TokenizerPool(engine.tokenizer)
+    completions = OpenAIServingCompletion(engine, models, limits, tokenizer_pool)
+    chat = OpenAIServingChat(engine, models, renderer, limits, tokenizer_pool)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -113,6 +115,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
         try:
             yield
         finally:
+            tokenizer_pool.shutdown()
             await engine.aclose()
 
     app = FastAPI(title="pagellm OpenAI-compatible server", version=pagellm.__version__,
@@ -154,13 +157,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
     async def tokenize(body: TokenizeRequest) -> dict:
         models.check(body.model)
         if body.messages is not None:
-            ids = renderer.render(body.messages, body.add_generation_prompt,
-                                  body.continue_final_message)
+            ids = await tokenizer_pool.run(renderer.render, body.messages,
+                                           body.add_generation_prompt,
+                                           body.continue_final_message)
             if body.add_special_tokens:
                 ids = list(engine.tokenizer.build_inputs_with_special_tokens(ids))
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = list(engine.tokenizer.encode(body.prompt, add_special_tokens=add_special))
+            (ids,) = await tokenizer_pool.encode([body.prompt], add_special)
         return TokenizeResponse(count=len(ids), max_model_len=models.max_model_len,
                                 tokens=ids).model_dump()
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from fastapi.responses import JSONResponse
 
 from pagellm.entrypoints.openai.serving_errors import error_body
@@ -47,25 +48,71 @@ class ServerLimits:
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
+_NOT_STRUCTURAL = bytes(b for b in range(256) if b not in b'"[]{}')
+# Quotes and brackets -> their depth step as int8: +1 opens, -1 (0xff) closes, 0 for a quote.
+_DEPTH_STEPS = bytes.maketrans(b'"[{]}', b"\x00\x01\x01\xff\xff")
+_QUOTE = ord('"')
+_SCAN_CHUNK = 1 << 16  # bounds the scan's scratch memory, and lets a deep body stop early
+
+
+@dataclass(frozen=True)
+class JsonScan:
+    max_depth: int  # how deep arrays/objects nest (outside strings), up to where it stopped
+    work: int  # bytes read, each pass over a buffer counted: at most a fixed multiple of n
+
+
+def scan_json(body: bytes, stop_above: int | None = None) -> JsonScan:
+    """How deep JSON text nests, in a fixed number of single passes over the bytes, so linear
+    whatever the body (a backtracking regex over JSON strings was quadratic on an
+    unterminated run of ``\\"``). Stops once the depth passes ``stop_above``.
+
+    A JSON tokenizer's states, as whole-buffer passes: *escape*: a backslash takes the next
+    byte, so ``\\\\`` pairs are dropped first (left to right, as the parser pairs them), then
+    every ``\\"`` left; *in string*: with escapes gone, a byte is inside a string when an odd
+    number of quotes precede it; *depth*: the running sum of opening minus closing brackets
+    outside strings. Text the JSON parser rejects (a backslash outside a string) can only
+    shift what comes after the parser's error, which it never nests into."""
+    work = len(body)
+    if b"\\" in body:
+        body = body.replace(b"\\\\", b"")
+        work += len(body)
+        body = body.replace(b'\\"', b"")
+        work += len(body)
+    structural = body.translate(None, _NOT_STRUCTURAL)  # quotes and brackets only
+    work += len(body)
+    quotes = np.frombuffer(structural, dtype=np.uint8) == _QUOTE
+    steps = np.frombuffer(structural.translate(_DEPTH_STEPS), dtype=np.int8)
+    work += 2 * len(structural)
+    depth = max_depth = in_string = 0
+    for start in range(0, len(structural), _SCAN_CHUNK):
+        chunk_steps = steps[start:start + _SCAN_CHUNK]
+        chunk_quotes = quotes[start:start + _SCAN_CHUNK]
+        if chunk_quotes.any():
+            # Quote parity; uint8 wraps at 256, which keeps it.
+            inside = np.cumsum(chunk_quotes, dtype=np.uint8)
+            inside += in_string
+            inside &= 1
+            in_string = int(inside[-1])
+            chunk_steps = chunk_steps * (inside ^ 1).view(np.int8)
+            work += 4 * len(chunk_steps)
+        elif in_string:
+            continue  # all inside one string
+        running = np.cumsum(chunk_steps, dtype=np.int32)
+        running += depth
+        max_depth = max(max_depth, int(running.max()))
+        depth = int(running[-1])
+        work += 3 * len(chunk_steps)
+        if stop_above is not None and max_depth > stop_above:
+            break
+    return JsonScan(max_depth, work)
 
 
 def json_depth_exceeds(body: bytes, limit: int) -> bool:
     """Whether the JSON text nests arrays/objects deeper than ``limit`` (brackets inside strings
-    do not count). Cheap: one regex pass, then a loop over the brackets only, stopping early."""
-    brackets = _NOT_BRACKET.sub(b"", _JSON_STRING.sub(b"", body))
-    if len(brackets) <= 2 * limit:
+    do not count). Linear; a body with at most ``limit`` opening brackets is not scanned."""
+    if body.count(b"[") + body.count(b"{") <= limit:
         return False
-    depth = 0
-    for c in brackets:
-        if c in b"[{":
-            depth += 1
-            if depth > limit:
-                return True
-        else:
-            depth -= 1
-    return False
+    return scan_json(body, stop_above=limit).max_depth > limit
 
 
 def _reject(status: int, message: str, param: str | None, code: str) -> JSONResponse:

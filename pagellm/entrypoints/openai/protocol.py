@@ -1,12 +1,23 @@
-"""Pydantic models of the OpenAI API (the subset we serve), plus vLLM's extra sampling fields."""
+"""Pydantic models of the OpenAI API (the subset we serve), plus vLLM's extra sampling fields.
+
+A field of a feature this server lacks is refused, never dropped: the client would get
+unconstrained text and believe it constrained. UNSUPPORTED_FIELDS is the one list of them."""
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 import uuid
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from pagellm.entrypoints.openai.serving_errors import UNSUPPORTED_PARAMETER
+
+logger = logging.getLogger("pagellm")
 
 MAX_LOGPROBS = 20
 
@@ -15,9 +26,84 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+@dataclass(frozen=True)
+class UnsupportedField:
+    name: str
+    feature: str  # what asking for it means, for the error message
+    # Values that do not ask for the feature; null (or leaving the field out) never does.
+    defaults: tuple[Any, ...] = ()
+    endpoints: tuple[str, ...] = ("completions", "chat")
+
+    def asks(self, value: Any) -> bool:
+        return value is not None and not any(value == d for d in self.defaults)
+
+
+_STRUCTURED = "structured output (guided decoding)"
+_TOOLS = "tool or function calling"
+# OpenAI and vLLM request fields of features pagellm lacks: a request that sets one to a value
+# other than null or its default gets a 400 naming it (code "unsupported_parameter").
+UNSUPPORTED_FIELDS: tuple[UnsupportedField, ...] = (
+    *(UnsupportedField(name, _STRUCTURED) for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")),
+    UnsupportedField("response_format", _STRUCTURED, ({"type": "text"},)),
+    UnsupportedField("tools", _TOOLS, ([],)),
+    # "auto" without tools (refused above) calls nothing: it asks for nothing.
+    UnsupportedField("tool_choice", _TOOLS, ("none", "auto")),
+    UnsupportedField("functions", _TOOLS, ([],)),
+    UnsupportedField("function_call", _TOOLS, ("none", "auto")),
+    UnsupportedField("prompt_logprobs", "logprobs of prompt tokens"),
+    UnsupportedField("use_beam_search", "beam search", (False,)),
+    UnsupportedField("length_penalty", "beam search", (1.0,)),
+    UnsupportedField("bad_words", "banned words", ([],)),
+    UnsupportedField("allowed_token_ids", "restricting sampling to given token ids"),
+    UnsupportedField("truncate_prompt_tokens", "prompt truncation"),
+    UnsupportedField("logits_processors", "custom logits processors", ([],)),
+    UnsupportedField("spaces_between_special_tokens", "detokenization options", (True,)),
+    UnsupportedField("return_tokens_as_token_ids", "token ids in logprobs", (False,)),
+    UnsupportedField("return_token_ids", "token ids in responses", (False,)),
+    UnsupportedField("suffix", "insertion (text after the completion)", ("",),
+                     ("completions",)),
+    UnsupportedField("add_special_tokens", "prompts without special tokens", (True,),
+                     ("completions",)),
+    UnsupportedField("add_special_tokens", "special tokens around the chat template", (False,),
+                     ("chat",)),
+    UnsupportedField("echo", "echoing the last message", (False,), ("chat",)),
+    UnsupportedField("chat_template", "per-request chat templates", (), ("chat",)),
+    UnsupportedField("chat_template_kwargs", "chat template arguments", ({},), ("chat",)),
+    UnsupportedField("documents", "documents for the chat template", ([],), ("chat",)),
+    UnsupportedField("mm_processor_kwargs", "multimodal input", ({},)),
+    UnsupportedField("audio", "audio output", (), ("chat",)),
+    UnsupportedField("modalities", "output modalities other than text", (["text"],),
+                     ("chat",)),
+    UnsupportedField("prediction", "predicted outputs", (), ("chat",)),
+    UnsupportedField("web_search_options", "web search", (), ("chat",)),
+    UnsupportedField("reasoning_effort", "reasoning controls", (), ("chat",)),
+    UnsupportedField("verbosity", "verbosity controls", (), ("chat",)),
+    UnsupportedField("kv_transfer_params", "disaggregated prefill"),
+    UnsupportedField("vllm_xargs", "vLLM extension arguments"),
+)
+_UNSUPPORTED = {(ep, f.name): f for f in UNSUPPORTED_FIELDS for ep in f.endpoints}
+# OpenAI fields that change nothing about the output: accepted and ignored without a word.
+HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+                             "safety_identifier", "prompt_cache_key", "prompt_cache_retention"})
+_MAX_LOGGED_NAMES = 8
+_LOGGABLE_NAME = re.compile(r"[A-Za-z0-9_]{1,40}")
+
+
+def unsupported(name: str, feature: str, param: str | None = None) -> PydanticCustomError:
+    """The validation error of a field we know but do not support; serving_errors turns it
+    into a 400 whose ``param`` is ``param`` (default: the field)."""
+    # The message is a template: the table's names and features have no braces.
+    return PydanticCustomError(
+        UNSUPPORTED_PARAMETER,
+        f"{name} is not supported yet: this server has no {feature}. Leave the field out "
+        "(or null) to run without it.", {"param": param or name})
+
+
 class OpenAIModel(BaseModel):
-    # Unknown fields (e.g. "user", newer OpenAI options) are ignored, as OpenAI-compatible
-    # servers usually do, rather than failing requests from newer SDKs.
+    # Unknown fields of nested objects are ignored; request bodies keep theirs (extra="allow")
+    # to check them against UNSUPPORTED_FIELDS.
     model_config = ConfigDict(extra="ignore")
 
 
@@ -27,6 +113,9 @@ class StreamOptions(OpenAIModel):
 
 class SamplingFields(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="allow")
+    endpoint: ClassVar[str]
 
     model: str | None = None
     n: int = 1
@@ -50,20 +139,51 @@ class SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    @field_validator("cache_salt")
+    @classmethod
+    def _non_empty_salt(cls, salt: str | None) -> str | None:
+        # An empty salt would share the cache with unsalted requests: the client believes
+        # itself isolated and is not (vLLM refuses it too).
+        if salt == "":
+            raise ValueError("cache_salt must be a non-empty string if given.")
+        return salt
+
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true.")
         return self
 
+    @model_validator(mode="after")
+    def _check_extra_fields(self) -> SamplingFields:
+        """400 for a field of a feature we lack; unknown fields are logged and ignored, as vLLM
+        does (their names only: values may be prompt text)."""
+        extra = self.model_extra or {}
+        unknown = []
+        for name, value in extra.items():
+            spec = _UNSUPPORTED.get((self.endpoint, name))
+            if spec is not None:
+                if spec.asks(value):
+                    raise unsupported(name, spec.feature)
+            elif name not in HARMLESS_FIELDS:
+                unknown.append(name)
+        if unknown:
+            # A name is the client's text too: only short identifiers reach the log.
+            shown = [n for n in unknown if _LOGGABLE_NAME.fullmatch(n)][:_MAX_LOGGED_NAMES]
+            more = len(unknown) - len(shown)
+            logger.warning("Ignored unknown request fields: %s%s", ", ".join(shown) or "-",
+                           f" (and {more} more)" if more else "")
+        return self
+
 
 class CompletionRequest(SamplingFields):
+    endpoint: ClassVar[str] = "completions"
+
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # null: the rest of the context
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
@@ -71,9 +191,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, "
                              f"got {self.logprobs}.")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (it must be unset or equal to n).")
-        if self.suffix:
-            raise ValueError("suffix is not supported.")
+            raise unsupported("best_of", "best-of-n selection (best_of must be unset or "
+                              "equal to n)")
         return self
 
 
@@ -83,21 +202,31 @@ class ContentPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
+    model_config = ConfigDict(extra="allow")
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _no_tool_calls(self) -> ChatMessage:
+        # The chat template would render the message without them.
+        for name in ("tool_calls", "function_call"):
+            if (self.model_extra or {}).get(name):
+                raise unsupported(name, _TOOLS, "messages")
+        return self
+
 
 class ChatCompletionRequest(SamplingFields):
+    endpoint: ClassVar[str] = "chat"
+
     messages: list[ChatMessage]
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # null: the rest of the context
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False  # OpenAI's SDKs may send null
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -109,10 +238,6 @@ class ChatCompletionRequest(SamplingFields):
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, "
                                  f"got {self.top_logprobs}.")
-        if self.tools:
-            raise ValueError("tools are not supported by this server.")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported.")
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both "
                              "be true.")

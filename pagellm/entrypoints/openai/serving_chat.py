@@ -24,12 +24,12 @@ from pagellm.entrypoints.openai.protocol import (
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
-    random_id,
 )
 from pagellm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
     ServedModels,
+    TokenizerPool,
     final_outputs,
     merge_streams,
     sse,
@@ -93,22 +93,29 @@ class ChatRenderer:
 
 
 class OpenAIServingChat(OpenAIServing):
+    request_id_prefix = "chatcmpl"
+
     def __init__(self, engine: AsyncLLM, models: ServedModels, renderer: ChatRenderer,
-                 limits: ServerLimits | None = None) -> None:
-        super().__init__(engine, models, limits)
+                 limits: ServerLimits | None = None,
+                 tokenizer_pool: TokenizerPool | None = None) -> None:
+        super().__init__(engine, models, limits, tokenizer_pool)
         self.renderer = renderer
 
-    async def create(self, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+    async def handle(self, req: ChatCompletionRequest, request_id: str
+                     ) -> JSONResponse | StreamingResponse:
         model = self.models.check(req.model)
-        ids = self.renderer.render(req.messages, req.add_generation_prompt,
-                                   req.continue_final_message)
         max_tokens = req.max_completion_tokens or req.max_tokens
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, num_logprobs)
+        # Rendering a long conversation is template work plus tokenization: off the loop.
+        ids = await self.tokenizer_pool.run(self.renderer.render, req.messages,
+                                            req.add_generation_prompt,
+                                            req.continue_final_message)
+        self.check_prompt(ids, max_tokens, "max_completion_tokens"
+                          if req.max_completion_tokens else "max_tokens")
         prompt: dict = {"prompt_token_ids": ids}
-        if req.cache_salt:
+        if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt
-        request_id = random_id("chatcmpl")
         streams = self.start(request_id, [prompt], params, req.stream, req.priority)
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, model, streams[0]),
@@ -185,5 +192,5 @@ class OpenAIServingChat(OpenAIServing):
                                       cached_tokens=num_cached))
                 yield self._chunk(request_id, created, model, [], usage)
         except Exception as e:
-            yield sse_error(e)
+            yield sse_error(e, request_id)
         yield SSE_DONE

@@ -16,7 +16,6 @@ from pagellm.entrypoints.openai.protocol import (
     CompletionResponse,
     PromptTokensDetails,
     UsageInfo,
-    random_id,
 )
 from pagellm.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -33,7 +32,11 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def prompts(self, req: CompletionRequest) -> list[PromptType]:
+    request_id_prefix = "cmpl"
+
+    async def prompts(self, req: CompletionRequest) -> list[PromptType]:
+        """The request's prompts as token ids (text tokenized off the event loop), checked:
+        a bad one is a 400 before any of them starts."""
         p = req.prompt
         items: list[str | list[int]]
         if isinstance(p, str):
@@ -47,25 +50,29 @@ class OpenAIServingCompletion(OpenAIServing):
         if len(items) > self.limits.max_prompts:
             raise bad_request(f"prompt has {len(items)} prompts, more than "
                               f"{self.limits.max_prompts} (--max-prompts).", "prompt")
+        if any(item == "" for item in items):
+            raise bad_request("The prompt is empty: it must have at least one token.", "prompt")
+        texts = [item for item in items if isinstance(item, str)]
+        encoded = iter(await self.tokenizer_pool.encode(texts) if texts else [])
         prompts: list[PromptType] = []
         for item in items:
-            if isinstance(item, str):
-                if not item:
-                    raise bad_request("The prompt is empty: it must have at least one token.",
-                                      "prompt")
-                prompt: dict = {"prompt": item}
-            else:
-                prompt = {"prompt_token_ids": list(item)}
-            if req.cache_salt:
+            # The text stays with its ids: echo and --enable-log-requests show it.
+            prompt: dict = ({"prompt": item, "prompt_token_ids": next(encoded)}
+                            if isinstance(item, str) else {"prompt_token_ids": list(item)})
+            # An omitted max_tokens (OpenAI's default 16) is cut to the room left, as it
+            # always was; only a number the client sent is refused when it does not fit.
+            asked = req.max_tokens if "max_tokens" in req.model_fields_set else None
+            self.check_prompt(prompt["prompt_token_ids"], asked)
+            if req.cache_salt is not None:
                 prompt["cache_salt"] = req.cache_salt
             prompts.append(prompt)
         return prompts
 
-    async def create(self, req: CompletionRequest) -> JSONResponse | StreamingResponse:
+    async def handle(self, req: CompletionRequest, request_id: str
+                     ) -> JSONResponse | StreamingResponse:
         model = self.models.check(req.model)
-        prompts = self.prompts(req)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
-        request_id = random_id("cmpl")
+        prompts = await self.prompts(req)
         streams = self.start(request_id, prompts, params, req.stream, req.priority)
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, model, streams),
@@ -156,5 +163,5 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield sse(CompletionResponse(id=request_id, created=created, model=model,
                                              choices=[], usage=usage))
         except Exception as e:  # headers are sent: report in the stream, as OpenAI does
-            yield sse_error(e)
+            yield sse_error(e, request_id)
         yield SSE_DONE

@@ -1,14 +1,17 @@
-"""What the completion and chat endpoints share: model names, sampling parameters, starting
-requests, merging their streams, SSE framing and logprob formatting."""
+"""What the completion and chat endpoints share: model names, tokenization off the event loop,
+sampling parameters, starting requests, merging their streams, SSE framing and logprob
+formatting."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -21,12 +24,13 @@ from pagellm.engine.async_llm import (
 )
 from pagellm.engine.input_processor import PromptType
 from pagellm.entrypoints.openai.limits import ServerLimits
-from pagellm.entrypoints.openai.protocol import SamplingFields
+from pagellm.entrypoints.openai.protocol import SamplingFields, random_id
 from pagellm.entrypoints.openai.serving_errors import (
     OpenAIError,
     bad_request,
     describe_error,
     error_body,
+    internal_error,
     model_not_found,
 )
 from pagellm.outputs import RequestOutput
@@ -51,15 +55,64 @@ class ServedModels:
 
 
 RETRY_AFTER_S = 1  # what a 503 for a full waiting queue tells clients to wait
+# One thread, as vLLM's async tokenizer: a Hugging Face fast tokenizer raises "Already
+# borrowed" when one thread encodes while another changes its truncation or padding.
+DEFAULT_TOKENIZER_THREADS = 1
+_T = TypeVar("_T")
+
+
+class TokenizerPool:
+    """Runs tokenization and chat-template rendering on a small thread pool, so a prompt near
+    the body limit does not stall every other request and stream (the event loop goes on; a
+    fast tokenizer encodes without the GIL). Work of a request whose client left is dropped
+    before it starts (awaiting a cancelled task cancels its queued job)."""
+
+    def __init__(self, tokenizer: Any, threads: int = DEFAULT_TOKENIZER_THREADS) -> None:
+        self.tokenizer = tokenizer
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="pagellm-tokenizer")
+
+    async def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    async def encode(self, texts: list[str], add_special_tokens: bool = True
+                     ) -> list[list[int]]:
+        """Token ids of each text, as the engine's own tokenization gives them."""
+        def encode_all() -> list[list[int]]:
+            return [list(self.tokenizer.encode(t, add_special_tokens=add_special_tokens))
+                    for t in texts]
+
+        return await self.run(encode_all)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 class OpenAIServing:
+    request_id_prefix = "req"
+
     def __init__(self, engine: AsyncLLM, models: ServedModels,
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None,
+                 tokenizer_pool: TokenizerPool | None = None) -> None:
         self.engine = engine
         self.models = models
         self.tokenizer = engine.tokenizer
         self.limits = limits or ServerLimits()
+        self.tokenizer_pool = tokenizer_pool or TokenizerPool(engine.tokenizer)
+
+    async def create(self, req: Any) -> Any:
+        """Serve one request (``handle`` does the work). An unexpected exception is a 500 with
+        a fixed message and this request's id; the traceback goes to the log."""
+        request_id = random_id(self.request_id_prefix)
+        try:
+            return await self.handle(req, request_id)
+        except (OpenAIError, EngineDeadError, RequestFailedError):
+            raise
+        except Exception as e:
+            raise internal_error(e, request_id, type(self).__name__) from None
+
+    async def handle(self, req: Any, request_id: str) -> Any:
+        raise NotImplementedError
 
     def check_limits(self, req: SamplingFields) -> None:
         """The configurable caps on n and stop strings (see limits.py)."""
@@ -127,12 +180,34 @@ class OpenAIServing:
             # "SamplingParams.top_p must be ..." -> name the request field instead.
             raise bad_request(str(e).removeprefix("SamplingParams.")) from None
 
+    def check_prompt(self, ids: list[int], max_tokens: int | None,
+                     max_tokens_param: str = "max_tokens") -> None:
+        """400 for a prompt the engine would refuse (empty, out of vocabulary, no room left for
+        output) or a max_tokens it does not leave room for, as vLLM and OpenAI answer: null
+        max_tokens means the rest of the context, a number is never cut silently."""
+        try:
+            self.engine.input_processor.validate(ids)
+        except ValueError as e:
+            raise bad_request(str(e), "prompt") from None
+        max_len = self.models.max_model_len
+        if max_tokens is not None and len(ids) + max_tokens > max_len:
+            raise bad_request(
+                f"'{max_tokens_param}' is too large: {max_tokens}. This model's maximum "
+                f"context length is {max_len} tokens and your request has {len(ids)} input "
+                f"tokens ({max_tokens} > {max_len} - {len(ids)}).", max_tokens_param)
+
     def start(self, request_id: str, prompts: Sequence[PromptType], params: SamplingParams,
               stream: bool, priority: int = 0) -> list[RequestStream]:
-        """Validate and start every prompt, or none (a bad prompt is a 400 before any work)."""
+        """Start every prompt, or none. The prompts are token ids checked by check_prompt, so
+        a ValueError from the engine here is a bug (a 500), not the client's fault."""
         if priority != 0 and self.engine.config.scheduler.policy != "priority":
             raise bad_request("priority needs a server started with --scheduling-policy "
                               "priority.", "priority")
+        vocab = self.engine.config.model.vocab_size
+        bad_stop = [t for t in params.stop_token_ids or [] if t >= vocab]
+        if bad_stop:
+            raise bad_request(f"stop_token_ids has token id {bad_stop[0]}, outside the "
+                              f"vocabulary (size {vocab}).", "stop_token_ids")
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         self.check_capacity(len(prompts) * params.n)
         streams: list[RequestStream] = []
@@ -141,9 +216,6 @@ class OpenAIServing:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(self.engine.add_request(rid, prompt, params, kind,
                                                        priority=priority))
-        except ValueError as e:
-            close_all(streams)
-            raise bad_request(str(e), "prompt") from None
         except BaseException:
             close_all(streams)
             raise
@@ -212,10 +284,10 @@ def sse(data: BaseModel | dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
-def sse_error(exc: BaseException) -> str:
+def sse_error(exc: BaseException, request_id: str | None = None) -> str:
     """The error event of a stream whose headers are sent (then comes ``[DONE]``)."""
     if not isinstance(exc, OpenAIError | RequestFailedError | EngineDeadError):
-        logger.error("Unhandled error in a stream", exc_info=exc)
+        exc = internal_error(exc, request_id, "a stream")
     status, message, code = describe_error(exc)
     return sse(error_body(status, message, code=code))
 
