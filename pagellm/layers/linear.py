@@ -38,6 +38,16 @@ def _copy_checked(param: nn.Parameter, dst: torch.Tensor, src: torch.Tensor) -> 
     dst.copy_(src)
 
 
+def _rank_slice(loaded: torch.Tensor, dim: int, full: int, index: int, size: int) -> torch.Tensor:
+    """Slice ``index`` (``size`` long) of ``loaded`` along ``dim``, which must be ``full`` long
+    there: a checkpoint tensor that is itself only part (one tp shard) would otherwise fill some
+    ranks and leave the others short, or a too-long one load its first rows silently."""
+    if loaded.dim() <= dim or loaded.shape[dim] != full:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} should be {full} "
+                         f"long in dim {dim} (the whole, unsharded tensor)")
+    return loaded.narrow(dim, index * size, size)
+
+
 class LinearBase(nn.Module):
     """Shards and loads; ``linear_method`` (one per layer) owns the weight's layout and math."""
 
@@ -119,7 +129,8 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
         shard = param.data.size(0)
-        _copy_checked(param, param.data, loaded.narrow(0, self.tp_rank * shard, shard))
+        _copy_checked(param, param.data,
+                      _rank_slice(loaded, 0, self.full_output_size, self.tp_rank, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear_method.apply(self, x, self.bias)
@@ -148,7 +159,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         dst = param.data.narrow(0, offset, size)
-        _copy_checked(param, dst, loaded.narrow(0, self.tp_rank * size, size))
+        full = self.output_sizes[shard_id]
+        _copy_checked(param, dst, _rank_slice(loaded, 0, full, self.tp_rank, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -180,17 +192,20 @@ class QKVParallelLinear(ColumnParallelLinear):
                       shard_id: int | str | None = None) -> None:
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
+        full_kv = self.total_num_kv_heads * self.head_size
         if shard_id == "q":
             offset, size, rank = 0, q_size, self.tp_rank
+            full = self.total_num_heads * self.head_size
         elif shard_id == "k":
             offset, size, rank = q_size, kv_size, self.tp_rank // self.num_kv_head_replicas
+            full = full_kv
         elif shard_id == "v":
             offset, size = q_size + kv_size, kv_size
-            rank = self.tp_rank // self.num_kv_head_replicas
+            rank, full = self.tp_rank // self.num_kv_head_replicas, full_kv
         else:
             raise ValueError(f"QKVParallelLinear shard_id must be q, k or v, got {shard_id!r}")
         dst = param.data.narrow(0, offset, size)
-        _copy_checked(param, dst, loaded.narrow(0, rank * size, size))
+        _copy_checked(param, dst, _rank_slice(loaded, 0, full, rank, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -210,7 +225,8 @@ class RowParallelLinear(LinearBase):
             _copy_checked(param, param.data, loaded)
             return
         shard = param.data.size(1)
-        _copy_checked(param, param.data, loaded.narrow(1, self.tp_rank * shard, shard))
+        _copy_checked(param, param.data,
+                      _rank_slice(loaded, 1, self.full_input_size, self.tp_rank, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -81,7 +81,7 @@ def _rotate_heads(
 def _rotary_kernel(
     q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
     stride_q, stride_k, stride_cs,
-    num_q_heads, num_k_heads,
+    num_q_heads, num_k_heads, max_pos,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
@@ -89,9 +89,14 @@ def _rotary_kernel(
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     i = tl.arange(0, HALF_PAD)
     imask = i < HALF
+    # A position outside the table rotates to NaN, as the CPU kernel does; row 0 is read instead.
+    inside = (pos >= 0) & (pos < max_pos)
+    row = tl.where(inside, pos, 0)
     # The float32 table cast to the activation dtype, as the torch path does.
-    cos = _round(tl.load(cos_ptr + pos * stride_cs + i, mask=imask, other=0.0), DT)
-    sin = _round(tl.load(sin_ptr + pos * stride_cs + i, mask=imask, other=0.0), DT)
+    cos = _round(tl.load(cos_ptr + row * stride_cs + i, mask=imask, other=0.0), DT)
+    sin = _round(tl.load(sin_ptr + row * stride_cs + i, mask=imask, other=0.0), DT)
+    cos = tl.where(inside, cos, float("nan"))
+    sin = tl.where(inside, sin, float("nan"))
     _rotate_heads(q_ptr + tok * stride_q, num_q_heads, cos, sin, i, imask,
                   HEAD_DIM, HALF, QH_PAD, DT)
     _rotate_heads(k_ptr + tok * stride_k, num_k_heads, cos, sin, i, imask,
@@ -156,7 +161,8 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache
             sin_cache: torch.Tensor, head_dim: int) -> None:
     """Rotate-half rotary in place on ``q [T, Hq*D]`` and ``k [T, Hk*D]`` (row strides free, e.g.
     views of the QKV projection) by ``positions [T]``; only the first ``2 * cos_cache.shape[1]``
-    dims of each head turn. ``cos_cache``/``sin_cache`` are float32 [max_position, rotary/2]."""
+    dims of each head turn. ``cos_cache``/``sin_cache`` are float32 [max_position, rotary/2];
+    a position outside them gives NaN rows, never a read outside the table."""
     assert q.dim() == k.dim() == 2 and q.shape[0] == k.shape[0] == positions.shape[0]
     assert q.shape[1] % head_dim == 0 and k.shape[1] % head_dim == 0
     assert cos_cache.stride() == sin_cache.stride() and cos_cache.stride(1) == 1
@@ -170,7 +176,7 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache
     _rotary_kernel[(num_tokens,)](
         q, k, positions.contiguous(), cos_cache, sin_cache,
         q.stride(0), k.stride(0), cos_cache.stride(0),
-        hq, hk,
+        hq, hk, cos_cache.shape[0],
         HEAD_DIM=head_dim, HALF=half, HALF_PAD=half_pad,
         QH_PAD=qh_pad, KH_PAD=triton.next_power_of_2(hk), DT=_DT[q.dtype],
         num_warps=8 if qh_pad * half_pad > 4096 else 4,

@@ -86,11 +86,19 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def rope_table_len(config: Any, max_model_len: int | None) -> int:
+    """Rows of the rotary cos/sin table: every position the engine can schedule, which is past
+    the config's max_position_embeddings when PAGELLM_ALLOW_LONG_MAX_MODEL_LEN allowed it."""
+    return max(config.max_position_embeddings, max_model_len or 0)
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool,
+                 max_model_len: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = get_rope(get_head_dim(config), config.max_position_embeddings, config)
+        rotary_emb = get_rope(get_head_dim(config), rope_table_len(config, max_model_len),
+                              config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, o_bias)
             for i in range(config.num_hidden_layers)
@@ -123,11 +131,12 @@ class LlamaForCausalLM(nn.Module):
         ("up_proj", "gate_up_proj", 1),
     )
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, max_model_len: int | None = None) -> None:
+        """``max_model_len``: the engine's context length (None: the config's)."""
         super().__init__()
         self.config = config
         qkv_bias, o_bias = self.attention_bias(config)
-        self.model = LlamaModel(config, qkv_bias, o_bias)
+        self.model = LlamaModel(config, qkv_bias, o_bias, max_model_len)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
@@ -137,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
-        self.max_position = config.max_position_embeddings
+        self.max_position = rope_table_len(config, max_model_len)
         self.sliding_window = self.get_sliding_window(config)
         if self.sliding_window is not None:
             logger.warning("sliding_window=%d is ignored: attention is full, so outputs differ "
@@ -166,10 +175,12 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors by their Hugging Face names; returns the parameters filled.
 
-        Raises ValueError for a tensor with no home or a parameter left without a tensor.
+        Raises ValueError for a tensor with no home or one the model needs and the checkpoint
+        lacks; a fused parameter (qkv, gate_up) counts as loaded only once every shard came.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        shards: dict[str, set[int | str]] = {}  # fused parameter -> shard ids loaded
         for ckpt_name, tensor in weights:
             if "rotary_emb.inv_freq" in ckpt_name:
                 continue
@@ -192,12 +203,32 @@ class LlamaForCausalLM(nn.Module):
             except (RuntimeError, ValueError) as e:
                 raise ValueError(f"cannot load checkpoint tensor {ckpt_name!r} of shape "
                                  f"{tuple(tensor.shape)}: {e}") from e
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
+            if shard_id is None:
+                loaded.add(name)
+            else:
+                shards.setdefault(name, set()).add(shard_id)
+        missing = self._missing_tensors(params, loaded, shards)
         if missing:
-            raise ValueError(f"checkpoint has no tensor for {len(missing)} parameters: "
-                             f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-        return loaded
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise ValueError(f"{', '.join(missing[:8])}{more} missing from the checkpoint "
+                             f"({type(self).__name__} needs them)")
+        return set(params)
+
+    def _missing_tensors(self, params: dict[str, nn.Parameter], loaded: set[str],
+                         shards: dict[str, set[int | str]]) -> list[str]:
+        """Checkpoint names of the tensors no parameter got, a fused one's by their own name."""
+        missing = []
+        for name in params:
+            parts = [(part, fused, sid) for part, fused, sid in self.stacked_params_mapping
+                     if f".{fused}." in name]
+            if not parts:
+                if name not in loaded:
+                    missing.append(name)
+                continue
+            got = shards.get(name, set())
+            missing += [name.replace(f".{fused}.", f".{part}.") for part, fused, sid in parts
+                        if sid not in got]
+        return sorted(missing)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

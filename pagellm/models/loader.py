@@ -164,9 +164,11 @@ def _resolve_load_format(src: ModelSource, load_format: str) -> str:
 
 
 def build_model(hf_config: Any, src: ModelSource, dtype: torch.dtype, device: torch.device,
-                load_format: str = "auto", quantization: str | None = None) -> nn.Module:
+                load_format: str = "auto", quantization: str | None = None,
+                max_model_len: int | None = None) -> nn.Module:
     """Build the model for ``hf_config`` on ``device`` in ``dtype`` and fill its weights; then
-    quantize its linear layers when ``quantization`` (``--quantization``) is set."""
+    quantize its linear layers when ``quantization`` (``--quantization``) is set.
+    ``max_model_len``: the engine's context length, which positions (rotary) must reach."""
     from pagellm.models.gguf_loader import gguf_weights_iterator
     from pagellm.models.registry import get_model_cls
     from pagellm.models.weight_utils import (
@@ -179,7 +181,7 @@ def build_model(hf_config: Any, src: ModelSource, dtype: torch.dtype, device: to
     model_cls = get_model_cls(hf_config)
     device = torch.device(device)
     with default_dtype(dtype), device:
-        model = model_cls(hf_config)
+        model = model_cls(hf_config, max_model_len=max_model_len)
     if load_format == "dummy":
         init_dummy_weights(model)
     elif load_format == "gguf":

@@ -133,6 +133,20 @@ def test_rotary_int32_positions_and_empty_batch() -> None:
     triton_ops.rotary_(empty, k[:0], positions[:0], rope.cos_cache, rope.sin_cache, 32)
 
 
+def test_rotary_position_outside_the_table_is_nan_not_a_read_past_it() -> None:
+    # The tables are views of a longer one, so a read past them lands on finite rows.
+    rope = RotaryEmbedding(32, 32, 128, ROPE).to(DEVICE)
+    cos, sin = rope.cos_cache[:64], rope.sin_cache[:64]
+    q = rand(3, 64, dtype=torch.float32, seed=9)
+    k = rand(3, 32, dtype=torch.float32, seed=10)
+    positions = torch.tensor([7, 64, 100], device=DEVICE)
+    ref_q, ref_k = rope.forward_native(positions, q, k)
+    triton_ops.rotary_(q, k, positions, cos, sin, 32)
+    assert_matches(q[:1], ref_q[:1])
+    assert_matches(k[:1], ref_k[:1])
+    assert q[1:].isnan().all() and k[1:].isnan().all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [100, 576, 1500])
 def test_silu_and_mul(dtype: torch.dtype, d: int) -> None:
