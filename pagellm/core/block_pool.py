@@ -172,11 +172,13 @@ class BlockPool:
         block_hashes: list[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
-    ) -> None:
+    ) -> list[KVCacheBlock]:
         """Enter ``blocks[num_cached_blocks:num_full_blocks]`` (a request's full blocks) into the
         hash map under ``block_hashes[i]``. Blocks that are prefix hits already carry their hash;
-        a block whose hash is already mapped to another block stays unhashed (no dedup)."""
+        a block whose hash is already mapped to another block stays unhashed (no dedup).
+        Returns the blocks that got a hash here."""
         assert num_full_blocks <= len(blocks) and num_full_blocks <= len(block_hashes)
+        hashed = []
         for i in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[i], block_hashes[i]
             if block.block_hash is not None:
@@ -186,6 +188,13 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
+            hashed.append(block)
+        return hashed
+
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take these blocks out of the prefix cache (their K/V was never written)."""
+        for block in blocks:
+            self._drop_hash(block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (returns False, changes nothing) while any block is

@@ -24,7 +24,9 @@ class KVCacheManager:
     ``ceil((num_computed_tokens + num_new_computed_tokens + n) / block_size)`` blocks, and every
     full block among them is in the prefix cache already (cached at allocation, before the runner
     computes it, so a request scheduled in the same step can share it: the runner writes a
-    layer's K/V for the whole batch before attending). Block hashes are kept here per request
+    layer's K/V for the whole batch before attending). Since those hashes promise K/V the step
+    has not written yet, the blocks hashed since ``begin_step()`` are remembered, and
+    ``uncache_step()`` drops them when the step fails. Block hashes are kept here per request
     and extended incrementally; ``request.py`` stays free of cache state.
     """
 
@@ -53,6 +55,8 @@ class KVCacheManager:
         # req_id -> (queried, hit) tokens of a lookup, counted once its allocation succeeds, so a
         # request retried over several steps for lack of blocks is counted once.
         self._pending_stats: dict[str, tuple[int, int]] = {}
+        # Blocks hashed since begin_step(): their K/V exists only once that step has run.
+        self._hashed_this_step: list[KVCacheBlock] = []
 
     @property
     def usage(self) -> float:
@@ -140,9 +144,21 @@ class KVCacheManager:
             num_full = num_total // self.block_size
             num_cached = self.num_cached_blocks.get(req_id, 0)
             if num_full > num_cached:
-                self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
+                self._hashed_this_step += self.block_pool.cache_full_blocks(
+                    req_blocks, hashes, num_cached, num_full)
                 self.num_cached_blocks[req_id] = num_full
         return new_blocks
+
+    def begin_step(self) -> None:
+        """A new step is being scheduled: the previous one ran, its hashed blocks hold K/V."""
+        self._hashed_this_step.clear()
+
+    def uncache_step(self) -> None:
+        """The step scheduled since ``begin_step()`` failed: no forward wrote the blocks it
+        hashed, so a later prompt must not hit them (it would read stale K/V, maybe another
+        tenant's). Only requests of that step hold them, and they all fail with it."""
+        self.block_pool.uncache_blocks(self._hashed_this_step)
+        self._hashed_this_step.clear()
 
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first (so its tail is evicted first), and

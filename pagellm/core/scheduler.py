@@ -99,6 +99,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
+        self.kv_cache_manager.begin_step()
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
@@ -302,7 +303,9 @@ class Scheduler:
         """The model step of ``sched_output`` raised: finish every request it scheduled with
         FINISHED_ERROR (blocks freed now) and send the step's finished/preempted ids to the
         runner again (it may have failed before dropping them; dropping twice is a no-op).
+        The blocks the step hashed leave the prefix cache first: nothing wrote their K/V.
         Returns the failed request ids."""
+        self.kv_cache_manager.uncache_step()
         failed = [r for r in sched_output.num_scheduled_tokens
                   if r in self.requests and not self.requests[r].is_finished]
         self.finish_requests(failed, RequestStatus.FINISHED_ERROR)

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 import pickle
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -66,8 +67,8 @@ class RequestStream:
             self.finished = True
             if any(c.finish_reason == FinishReason.ERROR for c in item.outputs):
                 raise RequestFailedError(
-                    f"Request {self.request_id} failed: the engine raised while running it "
-                    "(the cause is in the server log).", [self.request_id])
+                    f"Request {self.request_id} failed: the engine raised while admitting or "
+                    "running it (the cause is in the server log).", [self.request_id])
         return item
 
     def close(self) -> None:
@@ -112,6 +113,9 @@ class AsyncLLM:
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._closing = False
+        # When the engine last made progress (sent a step's outputs) or, if later, when work
+        # became pending: a wedged engine shows as this growing while requests are in flight.
+        self._last_progress = time.monotonic()
         self.core = EngineCoreClient(config, eos_token_id, core_factory)
 
     @classmethod
@@ -188,6 +192,13 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise self.dead_error
 
+    def seconds_without_progress(self) -> float:
+        """How long requests have been in flight with no engine step completing (0 while
+        none are in flight): a wedged step, a hung device, a deadlock in the engine."""
+        if not self.num_unfinished_requests:
+            return 0.0
+        return time.monotonic() - self._last_progress
+
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     kind: OutputKind = OutputKind.DELTA, arrival_time: float | None = None,
@@ -206,6 +217,8 @@ class AsyncLLM:
         self.output_processor.add_request(
             request_id, processed.prompt, ids, params, [c.request_id for c in children], kind,
             queue, arrival_time=children[0].arrival_time)
+        if not self.num_unfinished_requests:
+            self._last_progress = time.monotonic()  # an idle engine owes no step until now
         for child in children:
             self.request_stats.add(child.request_id, child.arrival_time, len(ids))
         try:
@@ -289,6 +302,7 @@ class AsyncLLM:
             self._set_dead(f"The output handler failed: {e!r}")
 
     def _process(self, batch: EngineCoreOutputs) -> None:
+        self._last_progress = time.monotonic()
         failed = [o.req_id for o in batch.outputs if o.finish_reason == FinishReason.ERROR]
         if failed:
             # Failed samples finish with reason "error" in the metrics; popped here, update()

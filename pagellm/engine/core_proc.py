@@ -31,7 +31,7 @@ import zmq
 from pagellm.core.sched_output import EngineCoreOutput
 from pagellm.errors import EngineDeadError
 from pagellm.metrics.stats import SchedulerStats
-from pagellm.request import Request, RequestStatus
+from pagellm.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger("pagellm")
 
@@ -80,6 +80,8 @@ class EngineCoreProc:
         self.output_socket.connect(output_path)
         # Requests by id, to read first_scheduled_time after the scheduler sets it.
         self._unseen: dict[str, Request] = {}
+        # Requests whose admission raised: sent, failed, with the next outputs.
+        self._failed_adds: list[EngineCoreOutput] = []
         self._running = True
 
     def send(self, msg: tuple) -> None:
@@ -89,8 +91,7 @@ class EngineCoreProc:
         kind = msg[0]
         if kind == "add":
             for request in msg[1]:
-                self._unseen[request.request_id] = request
-                self.core.add_request(request)
+                self._add_request(request)
         elif kind == "abort":
             for req_id in msg[1]:
                 self._unseen.pop(req_id, None)
@@ -107,6 +108,21 @@ class EngineCoreProc:
             self._running = False
         else:
             raise AssertionError(f"unknown message {kind!r}")
+
+    def _add_request(self, request: Request) -> None:
+        """Admit one request. If that raises, only this request fails (finish_reason "error"
+        in the next outputs): the engine and every other request go on."""
+        try:
+            self.core.add_request(request)
+        except Exception as e:
+            # NOTE: the id only: the prompt is user data and stays out of the log.
+            logger.error("Could not admit request %s: %s: %s", request.request_id,
+                         type(e).__name__, e, exc_info=e)
+            self._failed_adds.append(EngineCoreOutput(
+                req_id=request.request_id, new_token_ids=[],
+                finish_reason=FinishReason.ERROR.value))
+            return
+        self._unseen[request.request_id] = request
 
     def _parent_alive(self) -> bool:
         return os.getppid() == self.parent_pid
@@ -136,6 +152,9 @@ class EngineCoreProc:
                 break
             stepped = core.has_unfinished_requests()
             outputs = core.step() if stepped else []
+            if self._failed_adds:
+                outputs = self._failed_adds + outputs
+                self._failed_adds = []
             if not (stepped or handled):
                 continue
             first_sched: dict[str, float] = {}

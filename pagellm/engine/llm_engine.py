@@ -56,8 +56,13 @@ class LLMEngine:
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, params,
             [c.request_id for c in children], kind, arrival_time=children[0].arrival_time)
-        for child in children:
-            self.engine_core.add_request(child)
+        try:
+            for child in children:
+                self.engine_core.add_request(child)
+        except BaseException:
+            # All or nothing: no half-admitted request stays behind.
+            self.abort_request(request_id)
+            raise
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids

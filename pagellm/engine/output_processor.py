@@ -76,6 +76,15 @@ class OutputProcessor:
                     params: SamplingParams, child_ids: list[str],
                     kind: OutputKind = OutputKind.FINAL_ONLY, queue: Any = None,
                     arrival_time: float | None = None) -> None:
+        """Track a request and its samples' ids (the engine core's ids). Raises ValueError,
+        changing nothing, if any of those ids is in flight already: n > 1 names its samples
+        ``<i>_<id>`` (child_request_id), which another request's id may equal, and the engine
+        core could not tell the two apart."""
+        ids = (request_id, *child_ids)
+        in_use = [i for i in ids if i in self.requests or i in self._parent_of]
+        if in_use or len(set(child_ids)) != len(child_ids):
+            raise ValueError(f"Request id {request_id!r} is already in use (an id of its or its "
+                             f"samples, {(in_use or child_ids)[0]!r}, is in flight).")
         samples = {}
         for i, cid in enumerate(child_ids):
             detok = IncrementalDetokenizer(

@@ -225,3 +225,21 @@ def test_siblings_share_through_the_cache_when_enabled() -> None:
     assert other_group.num_cached_tokens == 64
     run_until_idle(sched, runner)
     assert_idle_with_cache(sched)
+
+
+def test_a_failed_step_uncaches_the_blocks_it_would_have_written() -> None:
+    """Blocks are hashed when allocated, before the runner writes them: when that step fails,
+    their hashes must go (a hit would read never-written K/V), while the blocks of earlier,
+    successful steps stay cached."""
+    prompt = list(range(1, 21))  # 5 blocks of 4
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=8)
+    runner = FakeRunner(4)
+    first_step_of(sched, runner, make_request("a", prompt))  # blocks 0-1 computed
+    failed = sched.schedule()  # a's next chunk hashes blocks 2-3, then the step fails
+    assert sched.fail_step(failed) == ["a"]
+    assert len(sched.kv_cache_manager.block_pool.cached_block_hash_to_block) == 2
+    retry = make_request("retry", prompt)
+    first_step_of(sched, runner, retry)
+    assert retry.num_cached_tokens == 8  # the successful step's blocks only
+    run_until_idle(sched, runner)  # the fake runner checks every block's content
+    assert_idle_with_cache(sched)

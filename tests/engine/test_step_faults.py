@@ -141,3 +141,24 @@ def test_tensor_parallel_worker_error_stops_the_engine(monkeypatch, model_path) 
         assert all(not p.is_alive() for p in executor.procs)
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("stage", ["before", "forward"])
+def test_failed_step_leaves_no_prefix_cache_hit(monkeypatch, model_path, stage) -> None:
+    """A failed step hashed the full blocks of the prompt it admitted, but never wrote their
+    K/V: the retried prompt must not hit them (it would read what the blocks held before,
+    here another prompt's K/V) and gives exactly the tokens of a fresh engine."""
+    small = dict(ENGINE, max_model_len=128, num_gpu_blocks_override=8)  # 8 blocks of 16
+    other = {"prompt_token_ids": [50 + i % 40 for i in range(120)]}  # fills all 8 blocks
+    retried = GOOD[1]  # 36 tokens: 2 full blocks a retry would hit
+    fresh = tokens(LLM(model=model_path, **small).generate([retried], GREEDY, use_tqdm=False))
+
+    monkeypatch.setenv(ENV_VAR, f"{stage}:{POISON}")
+    llm = LLM(model=model_path, **small)
+    llm.generate([other], GREEDY, use_tqdm=False)  # every block now holds its K/V
+    with pytest.raises(RequestFailedError):
+        llm.generate([retried, BAD], GREEDY, use_tqdm=False)  # one step admits both, fails
+    assert_idle_and_consistent(llm)
+    assert tokens(llm.generate([retried], GREEDY, use_tqdm=False)) == fresh
+    stats = llm.llm_engine.engine_core.make_stats()
+    assert stats.prefix_cache_hits == 0  # no full block of it was ever computed before
