@@ -76,10 +76,31 @@ class SamplingMetadata:
         Lists are in batch order, one entry per row. ``vocab_size`` is the width of the logits
         the sampler will see; token ids outside it are ignored (see ``validate_token_ids``).
         """
+        assert len(prompt_token_ids) == len(output_token_ids) == len(params)
+        return cls.assemble(
+            params, [len(ids) for ids in output_token_ids], generators, eos_token_ids,
+            vocab_size, device,
+            penalties=PenaltyTensors.build(params, prompt_token_ids, output_token_ids,
+                                           vocab_size, device),
+            logit_bias=_logit_bias(params, vocab_size, device))
+
+    @classmethod
+    def assemble(
+        cls,
+        params: list[SamplingParams],
+        num_output_tokens: list[int],
+        generators: list[torch.Generator | None],
+        eos_token_ids: list[int | None],
+        vocab_size: int,
+        device: torch.device | str,
+        penalties: PenaltyTensors | None,
+        logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> SamplingMetadata:
+        """Like ``build``, with the penalty and bias tensors already made (the model runner
+        keeps them in its persistent batch)."""
         num_rows = len(params)
         assert num_rows > 0
-        assert (len(prompt_token_ids) == len(output_token_ids) == len(generators)
-                == len(eos_token_ids) == num_rows)
+        assert len(num_output_tokens) == len(generators) == len(eos_token_ids) == num_rows
 
         greedy = [p.greedy for p in params]
         all_greedy, all_random = all(greedy), not any(greedy)
@@ -90,11 +111,10 @@ class SamplingMetadata:
             all_random=all_random,
             generators={i: gen for i, gen in enumerate(generators)
                         if gen is not None and not greedy[i]},
-            penalties=PenaltyTensors.build(params, prompt_token_ids, output_token_ids,
-                                           vocab_size, device),
-            min_tokens_mask=_min_tokens_mask(params, output_token_ids, eos_token_ids,
+            penalties=penalties,
+            min_tokens_mask=_min_tokens_mask(params, num_output_tokens, eos_token_ids,
                                              vocab_size, device),
-            logit_bias=_logit_bias(params, vocab_size, device),
+            logit_bias=logit_bias,
         )
         if not all_greedy:
             _set_filters(meta, params, vocab_size, device)
@@ -124,16 +144,16 @@ def _set_filters(meta: SamplingMetadata, params: list[SamplingParams], vocab_siz
 
 def _min_tokens_mask(
     params: list[SamplingParams],
-    output_token_ids: list[list[int]],
+    num_output_tokens: list[int],
     eos_token_ids: list[int | None],
     vocab_size: int,
     device: torch.device | str,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     rows: list[int] = []
     tokens: list[int] = []
-    for i, (p, out, eos) in enumerate(zip(params, output_token_ids, eos_token_ids,
-                                                      strict=True)):
-        if len(out) >= p.min_tokens:
+    for i, (p, num_out, eos) in enumerate(zip(params, num_output_tokens, eos_token_ids,
+                                              strict=True)):
+        if num_out >= p.min_tokens:
             continue
         blocked = set(p.stop_token_ids or [])
         if eos is not None and not p.ignore_eos:

@@ -3,7 +3,8 @@
 Each live request owns one row of a token buffer ``[max_num_reqs, max_model_len]`` and of a block
 table ``[max_num_reqs, max_blocks_per_req]``. A step touches only what changed (new requests,
 appended blocks, sampled tokens); the flat batch is then gathered from the rows with vectorized
-indexing, never a per-token Python loop.
+indexing, never a per-token Python loop. Penalty and logit-bias state lives on the device in
+``sampling`` (sampling_state.py), changed with the rows, never rebuilt per step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from pagellm.sampling_params import SamplingParams
+from pagellm.worker.sampling_state import SamplingState
 
 
 @dataclass(slots=True)
@@ -30,7 +32,9 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
+                 vocab_size: int, device: torch.device | str = "cpu",
+                 samples: bool = True) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -40,6 +44,8 @@ class InputBatch:
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.null_block_id = 0
+        # Only a rank that samples keeps penalty/bias state (tensor parallel: rank 0).
+        self.sampling = SamplingState(max_num_reqs, vocab_size, device) if samples else None
 
     def set_null_block(self, block_id: int) -> None:
         """Pad every block-table row with ``block_id`` (an always-zero block)."""
@@ -62,6 +68,8 @@ class InputBatch:
             num_blocks=len(block_ids), sampling_params=sampling_params, generator=generator,
             output_token_ids=list(output_token_ids))
         self.requests[req_id] = state
+        if self.sampling is not None:
+            self.sampling.add(row, sampling_params, prompt_token_ids, output_token_ids)
         return state
 
     def append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
@@ -75,11 +83,12 @@ class InputBatch:
             self.token_ids[state.row, state.num_tokens] = token_id
         state.num_tokens += 1
         state.output_token_ids.append(token_id)
+        if self.sampling is not None:
+            self.sampling.append(state.row, token_id)
 
     def remove_request(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self._free_rows.append(state.row)
-
-    def prompt_token_ids(self, state: CachedRequestState) -> list[int]:
-        return self.token_ids[state.row, : state.num_prompt_tokens].tolist()
+            if self.sampling is not None:
+                self.sampling.remove(state.row)

@@ -72,7 +72,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = build_model(config.model.hf_config, config.model.source, self.dtype,
                                  self.device, config.model.load_format,
-                                 config.model.quantization)
+                                 config.model.quantization, config.model.max_model_len)
         self.model.eval()
         # Before the fused CPU path, which asks the layers for their backend.
         bind_attention_backends(self.model, self.attention_backend, self.device)
@@ -89,7 +89,8 @@ class ModelRunner:
                        else ""),
                     self.device, rank, self.checkpoint_bytes_read / 2**20)
         sched = config.scheduler
-        self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
+        self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size,
+                                      self.vocab_size, self.device, samples=self.tp_rank == 0)
         self.sampler = Sampler(self.generator)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
@@ -303,15 +304,21 @@ class ModelRunner:
                 # whatever the batch, and again after a preemption.
                 s.generator.manual_seed(_step_seed(s.sampling_params.seed,
                                                    len(s.output_token_ids)))
-        batch = self.input_batch
-        smeta = SamplingMetadata.build(
-            params=[s.sampling_params for s in sample_states],
-            prompt_token_ids=[batch.prompt_token_ids(s) if _needs_prompt(s) else []
-                              for s in sample_states],
-            output_token_ids=[s.output_token_ids for s in sample_states],
+        # Penalties and bias come from the persistent batch: no per-step work that grows with
+        # a request's prompt or output.
+        sampling = self.input_batch.sampling
+        assert sampling is not None
+        params = [s.sampling_params for s in sample_states]
+        rows = np.fromiter((s.row for s in sample_states), dtype=np.int64,
+                           count=len(sample_states))
+        smeta = SamplingMetadata.assemble(
+            params=params,
+            num_output_tokens=[len(s.output_token_ids) for s in sample_states],
             generators=[s.generator for s in sample_states],
             eos_token_ids=[self.eos_token_id] * len(sample_states),
             vocab_size=self.vocab_size, device=self.device,
+            penalties=sampling.penalty_tensors(rows, params),
+            logit_bias=sampling.logit_bias(rows),
         )
         return self.sampler(logits, smeta)
 
@@ -332,8 +339,3 @@ def bind_attention_backends(model: torch.nn.Module, backend_name: str,
 def _step_seed(seed: int | None, position: int) -> int:
     assert seed is not None
     return (seed * 1_000_003 + position * 7_919) % (2**63 - 1)
-
-
-def _needs_prompt(state: CachedRequestState) -> bool:
-    # Only the repetition penalty looks at prompt tokens.
-    return state.sampling_params.repetition_penalty != 1.0
