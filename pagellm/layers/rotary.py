@@ -2,6 +2,14 @@
 
 The cos/sin table is computed once in float32, the way ``transformers`` computes it, and indexed
 by position; the rotation runs in the activation dtype, as in ``transformers``.
+
+LongRoPE (Phi-3's ``longrope``/``su``) has two sets of per-dimension factors. transformers
+switches from the short to the long ones once the running sequence passes
+``original_max_position_embeddings``, which a shared paged KV cache cannot follow (keys already
+cached keep their rotation). Like vLLM we choose once: the long factors when the engine's
+max_model_len is past ``original_max_position_embeddings``, else the short ones. The two agree for
+every sequence when max_model_len is at most the original length, and for sequences longer than
+it otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from torch import nn
 from pagellm.kernels import cpu_ops
 from pagellm.layers.fused_ops import triton_ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def get_rope_parameters(config: Any) -> dict[str, Any]:
@@ -32,7 +40,35 @@ def get_rope_parameters(config: Any) -> dict[str, Any]:
     params = dict(params)
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
+    if params["rope_type"] == "su":  # Phi-3's first name for longrope
+        params["rope_type"] = "longrope"
+    if params["rope_type"] == "longrope":
+        # Older configs keep these at the top level; the default factor is their ratio.
+        original = getattr(config, "original_max_position_embeddings", None)
+        params.setdefault("original_max_position_embeddings", original)
+        params.setdefault("max_position_embeddings", config.max_position_embeddings)
+        if params["original_max_position_embeddings"] is None:
+            raise ValueError("longrope rope scaling needs original_max_position_embeddings")
     return params
+
+
+def _longrope_factor(params: dict[str, Any]) -> float:
+    factor = params.get("factor")
+    if factor is None:
+        factor = params["max_position_embeddings"] / params["original_max_position_embeddings"]
+    return factor
+
+
+def attention_scaling(params: dict[str, Any]) -> float:
+    """The factor transformers multiplies cos and sin by (longrope's; 1.0 for the others)."""
+    if params["rope_type"] != "longrope":
+        return 1.0
+    scaling = params.get("attention_factor")
+    if scaling is None:
+        factor = _longrope_factor(params)
+        original = params["original_max_position_embeddings"]
+        scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return float(scaling)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -61,6 +97,14 @@ def compute_inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
         )
     base = float(params["rope_theta"])
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+    if rope_type == "longrope":
+        # ``use_long_factor``: get_rope's static choice (module docstring).
+        key = "long_factor" if params.get("use_long_factor") else "short_factor"
+        ext_factors = torch.tensor(params[key], dtype=torch.float32, device="cpu")
+        if ext_factors.shape != (rotary_dim // 2,):
+            raise ValueError(f"longrope {key} has {ext_factors.numel()} values, the rotary dim "
+                             f"{rotary_dim} needs {rotary_dim // 2}")
+        return 1.0 / (ext_factors * base ** (exponents / rotary_dim))
     inv_freq = 1.0 / (base ** (exponents / rotary_dim))
     if rope_type == "linear":
         inv_freq = inv_freq / params["factor"]
@@ -82,9 +126,13 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
         freqs = t[:, None] * inv_freq[None, :]
         device = torch.get_default_device()
+        scaling = attention_scaling(rope_parameters)
+        cos, sin = freqs.cos(), freqs.sin()
+        if scaling != 1.0:  # folded into the table, as transformers scales cos/sin in float32
+            cos, sin = cos * scaling, sin * scaling
         # NOTE: kept float32 whatever the model dtype; cast at use like transformers.
-        self.register_buffer("cos_cache", freqs.cos().to(device), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin().to(device), persistent=False)
+        self.register_buffer("cos_cache", cos.to(device), persistent=False)
+        self.register_buffer("sin_cache", sin.to(device), persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -119,8 +167,14 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 
-def get_rope(head_dim: int, max_position: int, config: Any) -> RotaryEmbedding:
+def get_rope(head_dim: int, max_position: int, config: Any,
+             max_model_len: int | None = None) -> RotaryEmbedding:
+    """``max_position``: rows of the table; ``max_model_len`` (None: the config's
+    max_position_embeddings) picks longrope's factors."""
     params = get_rope_parameters(config)
+    if params["rope_type"] == "longrope":
+        context = max_model_len or config.max_position_embeddings
+        params["use_long_factor"] = context > params["original_max_position_embeddings"]
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     rotary_dim = int(head_dim * (partial or 1.0))
     return RotaryEmbedding(head_dim, rotary_dim, max_position, params)

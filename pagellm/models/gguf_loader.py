@@ -2,7 +2,7 @@
 
 llama.cpp's converter permutes the rows of Q and K of "llama"-architecture models (Llama,
 Mistral) from Hugging Face's rotate-half rope layout to its interleaved one; we undo it, as
-transformers' own GGUF loader does. Other architectures (qwen2) are stored unpermuted.
+transformers' own GGUF loader does. Other architectures (qwen2, qwen3) are stored unpermuted.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 # llama3 GGUFs store the rope frequency factors; we derive them from the config instead.
 _SKIPPED = {"rope_freqs"}
@@ -44,7 +46,8 @@ def gguf_to_hf_name(name: str) -> str | None:
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
         return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
-    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face Llama/Qwen2 equivalent")
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face Llama/Mistral/Qwen2/Qwen3 "
+                     "equivalent")
 
 
 def reverse_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:

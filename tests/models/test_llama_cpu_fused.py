@@ -1,9 +1,10 @@
 """The fused CPU path (one kernel call for every layer of a step) against the module path on the
-same model: logits and KV caches bit for bit, over GQA, biased QKV (Qwen2) and 8-head (Mistral)
-tiny models, several sequences whose blocks are scattered and whose lengths cross block edges;
-prefill chunks (with and without cached context) and decode tokens mixed in one step where the
-prefill kernel takes the head size; and the cases it must leave to the modules. In bfloat16 on
-the AMX kernel or the packed AVX-512 one (whichever this CPU has), in float32 on the packed one."""
+same model: logits and KV caches bit for bit, over GQA, biased QKV (Qwen2), 8-head (Mistral) and
+longrope (Phi-3: scaled cos/sin tables) tiny models, several sequences whose blocks are scattered
+and whose lengths cross block edges; prefill chunks (with and without cached context) and decode
+tokens mixed in one step where the prefill kernel takes the head size; and the cases it must
+leave to the modules. In bfloat16 on the AMX kernel or the packed AVX-512 one (whichever this CPU
+has), in float32 on the packed one."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def llama_hd32_dir(tmp_path_factory, make_tiny_model):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3"])
 def test_fused_decode_is_bit_identical_to_the_modules(tiny_model_dir, arch, dtype, monkeypatch):
     model = _model(tiny_model_dir, arch, dtype)
     assert enable_fused_cpu_forward(model) == 1

@@ -1,7 +1,9 @@
 """Tensor parallelism on CPU (gloo, 2 ranks): sharded layers give the unsharded model's logits.
 
 Covers head-split attention (llama: 4 heads / 2 KV heads), KV-head replication (qwen2: 1 KV
-head on 2 ranks) and an uneven vocabulary split (401 tokens over 2 ranks).
+head on 2 ranks), an uneven vocabulary split (401 tokens over 2 ranks), replicated per-head q/k
+norms (qwen3) and fused qkv/gate_up checkpoint tensors, which each rank must take its q, k and v
+heads of (phi3).
 """
 
 from __future__ import annotations
@@ -44,9 +46,7 @@ def _worker(rank: int, store: str, paths: list[str], out_dir: str) -> None:
     os._exit(0)
 
 
-def test_tp2_matches_tp1(tmp_path, tiny_model_dir, make_tiny_model):
-    paths = [str(tiny_model_dir("llama")),
-             str(make_tiny_model(tmp_path / "qwen2-401", "qwen2", vocab_size=401))]
+def _run_tp2(tmp_path, paths: list[str]) -> None:
     expected = [_logits(p) for p in paths]
     mp.start_processes(_worker, args=(str(tmp_path / "store"), paths, str(tmp_path)), nprocs=2,
                        start_method="spawn")
@@ -56,3 +56,12 @@ def test_tp2_matches_tp1(tmp_path, tiny_model_dir, make_tiny_model):
             assert got_logits.shape == logits.shape
             torch.testing.assert_close(got_logits, logits, atol=1e-4, rtol=0)
             assert got_tokens == tokens
+
+
+def test_tp2_matches_tp1(tmp_path, tiny_model_dir, make_tiny_model):
+    _run_tp2(tmp_path, [str(tiny_model_dir("llama")),
+                        str(make_tiny_model(tmp_path / "qwen2-401", "qwen2", vocab_size=401))])
+
+
+def test_tp2_matches_tp1_qwen3_phi3(tmp_path, tiny_model_dir):
+    _run_tp2(tmp_path, [str(tiny_model_dir("qwen3")), str(tiny_model_dir("phi3"))])

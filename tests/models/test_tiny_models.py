@@ -13,7 +13,7 @@ from paged_harness import PagedHarness
 from pagellm.forward_context import set_forward_context
 from pagellm.models.loader import build_model, load_hf_config, resolve_model_source
 
-ARCHS = ["llama", "llama-tied", "llama-rope3", "qwen2", "mistral"]
+ARCHS = ["llama", "llama-tied", "llama-rope3", "qwen2", "mistral", "qwen3", "phi3"]
 NUM_NEW = 8
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. Hello, world! How are you today?" * 2,
