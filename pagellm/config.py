@@ -101,6 +101,8 @@ class ModelConfig:
     seed: int
     served_model_name: str
     quantization: str | None = None  # normalized --quantization ("int8", "int4-g128"), or None
+    # pagellm.models.generation_config.GenerationConfig: extra EOS ids, sampling defaults
+    generation_config: Any = None
 
     @property
     def architecture(self) -> str:

@@ -86,7 +86,8 @@ class EngineArgs:
         None, "force the number of KV blocks (testing)")
     enable_prefix_caching: bool = option(
         False, "reuse KV of shared prompt prefixes (off by default: a shared cache leaks timing "
-        "across tenants unless requests carry cache_salt)")
+        "across tenants unless requests carry cache_salt; the server keeps API keys apart, "
+        "see --prefix-cache-scope)")
     prefix_caching_hash_algo: str = option("sha256", "block hash function",
                                            choices=PREFIX_CACHING_HASH_ALGOS)
     tensor_parallel_size: int = option(
@@ -112,6 +113,11 @@ class EngineArgs:
         "fcfs", "fcfs (arrival order), or priority: requests' 'priority' field, lower first, "
         "then arrival; the least urgent running request is preempted",
         choices=SCHEDULING_POLICIES)
+    generation_config: str = option(
+        "auto", "auto: the model's generation_config.json supplies default temperature, top_p, "
+        "top_k, min_p and repetition_penalty for requests that leave them unset; vllm: ignore "
+        "those defaults; or a folder to read generation_config.json from (EOS ids it lists "
+        "stop generation in every mode)")  # a path is allowed: checked when loaded
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -165,6 +171,9 @@ class EngineArgs:
         source = resolve_model_source(self.model)
         hf_config = load_hf_config(source)
         check_model_shape(hf_config)
+        from pagellm.models.generation_config import load_generation_config
+
+        generation = load_generation_config(self.generation_config, source, hf_config)
         dtype = resolve_dtype(self.dtype, hf_config, device)
         check_tensor_parallel(self.tensor_parallel_size, hf_config, device, self.device)
 
@@ -182,7 +191,8 @@ class EngineArgs:
                 model=self.model, source=source, hf_config=hf_config, tokenizer=self.tokenizer,
                 dtype=dtype, max_model_len=max_model_len, load_format=self.load_format,
                 seed=self.seed, served_model_name=model_name,
-                quantization=quant.name if quant is not None else None),
+                quantization=quant.name if quant is not None else None,
+                generation_config=generation),
             cache=CacheConfig(
                 block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,

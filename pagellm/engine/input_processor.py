@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagellm.config import EngineConfig
+from pagellm.models.generation_config import extra_stop_ids
 from pagellm.request import Request
 from pagellm.sample.metadata import validate_token_ids
 from pagellm.sampling_params import SamplingParams
@@ -34,6 +35,8 @@ class InputProcessor:
         self.eos_token_id = eos_token_id
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.vocab_size
+        # generation_config.json's EOS ids (a fake config in tests may have none)
+        self.generation_config = getattr(config.model, "generation_config", None)
 
     def tokenize(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, str):
@@ -80,6 +83,8 @@ class InputProcessor:
         ids = processed.prompt_token_ids
         self.validate(ids)
         validate_token_ids(params, self.vocab_size)
+        # Every EOS id of generation_config.json stops, not only the tokenizer's (Llama 3.1).
+        params = extra_stop_ids(params, self.generation_config, self.eos_token_id)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.monotonic() if arrival_time is None else arrival_time
