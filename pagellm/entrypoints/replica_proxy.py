@@ -1,14 +1,22 @@
-"""A tiny least-loaded HTTP proxy in front of N ``pagellm serve`` replicas (stdlib asyncio only).
+"""A tiny least-loaded HTTP proxy in front of N ``pagellm serve`` replicas (stdlib asyncio).
 
 Each client request goes to the healthy replica with the fewest requests in flight through this
 proxy (ties: the one that served fewest). Replicas are health-checked with ``GET /health`` every
 ``health_interval_s``; a replica that refuses a connection is marked down at once and the request
-is retried on another (nothing was sent yet, so this is safe). Responses, streamed ones included,
-are piped through byte for byte with one header added, ``x-pagellm-replica: <index>``.
+is retried on another (nothing was sent yet, so this is safe). Once a connection is open the
+request is never retried: its body may have reached the replica, and generation is not
+idempotent, so a replica that fails before answering is a 502. Responses, streamed ones
+included, are piped through byte for byte with one header added, ``x-pagellm-replica: <index>``.
 Requests already running on a replica that dies fail; new ones go to the others.
 
+The proxy holds clients to the server's own rules: with API keys, every path but the open
+ones needs a key, checked before any body is read; bodies over ``max_body_bytes`` are a 413
+(only Content-Length bytes are ever read, so no body can be larger); a client that has not
+sent its whole request within ``client_timeout_s`` gets a 408 and is cut.
+
 The proxy answers three paths itself: ``/health`` (200 while any replica is healthy, else 503),
-``/proxy/stats`` (JSON, per replica) and ``/proxy/metrics`` (Prometheus text, per replica).
+``/proxy/stats`` (JSON, per replica; needs a key when keys are configured) and
+``/proxy/metrics`` (Prometheus text, per replica; open, as the server's /metrics).
 One request per client connection (``Connection: close``), which every HTTP client handles.
 """
 
@@ -22,11 +30,16 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from pagellm.entrypoints.openai.tenancy import OPEN_PATHS, ApiKeys
+
 logger = logging.getLogger("pagellm")
 
 _MAX_HEAD = 64 * 1024
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade",
                "transfer-encoding"}
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # the server's --max-request-body-bytes default
+DEFAULT_CLIENT_TIMEOUT_S = 30.0
+_OPEN_PATHS = OPEN_PATHS | {"/proxy/metrics"}
 
 
 @dataclass
@@ -52,12 +65,17 @@ class Replica:
 
 class ReplicaProxy:
     def __init__(self, replicas: list[Replica], health_interval_s: float = 1.0,
-                 health_timeout_s: float = 2.0) -> None:
+                 health_timeout_s: float = 2.0, api_keys: ApiKeys | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S) -> None:
         if not replicas:
             raise ValueError("the proxy needs at least one replica")
         self.replicas = replicas
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
+        self.api_keys = api_keys
+        self.max_body_bytes = max_body_bytes
+        self.client_timeout_s = client_timeout_s
         self._server: asyncio.base_events.Server | None = None
 
     # ---- routing ------------------------------------------------------------------------------
@@ -110,13 +128,15 @@ class ReplicaProxy:
     # ---- one client connection ------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            method, target, headers = _parse_head(head)
-            if "chunked" in headers.get("transfer-encoding", "").lower():
-                return await _reply(writer, 411, {"error": "chunked request bodies are not "
-                                                           "supported; send Content-Length"})
-            body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
-            path = target.split("?", 1)[0]
+            try:
+                async with asyncio.timeout(self.client_timeout_s):
+                    request = await self._read_request(reader, writer)
+            except TimeoutError:  # before OSError, its base class
+                return await _reply(writer, 408, {"error": "the request was not sent within "
+                                                  f"{self.client_timeout_s:g} s"})
+            if request is None:
+                return  # refused, and answered
+            method, target, path, headers, body = request
             if path == "/health":
                 live = sum(r.healthy for r in self.replicas)
                 return await _reply(writer, 200 if live else 503,
@@ -134,6 +154,33 @@ class ReplicaProxy:
         finally:
             writer.close()
 
+    async def _read_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                            ) -> tuple[str, str, str, dict[str, str], bytes] | None:
+        """(method, target, path, headers, body), or None once a refusal is sent. The key is
+        checked and the length capped before any body byte is read."""
+        head = await reader.readuntil(b"\r\n\r\n")
+        method, target, headers = _parse_head(head)
+        path = target.split("?", 1)[0]
+        if self.api_keys is not None and path not in _OPEN_PATHS and method != "OPTIONS" and \
+                self.api_keys.identity_of(headers.get("authorization", "").encode("latin-1")) \
+                is None:
+            await _reply(writer, 401, {"error": {
+                "message": "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}})
+            return None
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            await _reply(writer, 411, {"error": "chunked request bodies are not supported; "
+                                                "send Content-Length"})
+            return None
+        length = headers.get("content-length", "0")
+        if not length.isdigit():  # no sign, no spaces: one reading for us and the replica
+            raise ValueError("bad Content-Length")
+        if int(length) > self.max_body_bytes:
+            await _reply(writer, 413, {"error": f"the request body is larger than "
+                                                f"{self.max_body_bytes} bytes"})
+            return None
+        return method, target, path, headers, await reader.readexactly(int(length))
+
     async def _forward(self, method: str, target: str, headers: dict[str, str], body: bytes,
                        client: asyncio.StreamWriter) -> None:
         tried: set[int] = set()
@@ -141,13 +188,15 @@ class ReplicaProxy:
             tried.add(replica.index)
             host, port = replica.host_port
             try:
-                up_reader, up_writer = await asyncio.open_connection(host, port, limit=_MAX_HEAD)
-            except OSError:
+                up_reader, up_writer = await asyncio.wait_for(
+                    asyncio.open_connection(host, port, limit=_MAX_HEAD), self.health_timeout_s)
+            except OSError:  # TimeoutError included
                 replica.healthy = False  # refused: down until the health check says otherwise
                 replica.failures += 1
                 logger.warning("replica %d (%s) refused a connection; marked DOWN",
                                replica.index, replica.url)
                 continue
+            # Connected: from here the body may reach the replica, so no other replica gets it.
             replica.in_flight += 1
             try:
                 try:
@@ -156,10 +205,15 @@ class ReplicaProxy:
                     up_writer.write(body)
                     await up_writer.drain()
                     head = await up_reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, ConnectionError, OSError):
-                    # Gone before answering: nothing reached the client, so try another one.
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
+                        OSError):
                     replica.failures += 1
-                    continue
+                    logger.warning("replica %d (%s) failed before answering; not retried (the "
+                                   "request may have run)", replica.index, replica.url)
+                    await _reply(client, 502, {"error": f"replica {replica.index} failed "
+                                               "before answering; the request was not retried "
+                                               "(it may have run)"})
+                    return
                 client.write(head[:-2] + f"x-pagellm-replica: {replica.index}\r\n\r\n".encode())
                 while chunk := await up_reader.read(65536):
                     client.write(chunk)
@@ -194,7 +248,10 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
     for line in lines[1:]:
         if line:
             name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
+            name = name.strip().lower()
+            if name == "content-length" and name in headers:
+                raise ValueError("two Content-Length headers")  # which one would a peer use?
+            headers[name] = value.strip()
     return method, target, headers
 
 
@@ -210,7 +267,8 @@ def _request_head(method: str, target: str, headers: dict[str, str], host: str, 
 async def _reply(writer: asyncio.StreamWriter, status: int, payload: object,
                  content_type: str = "application/json") -> None:
     body = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-    reason = {200: "OK", 400: "Bad Request", 411: "Length Required",
+    reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 408: "Request Timeout",
+              411: "Length Required", 413: "Content Too Large", 502: "Bad Gateway",
               503: "Service Unavailable"}.get(status, "")
     writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
                  f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)

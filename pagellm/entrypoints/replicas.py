@@ -9,6 +9,11 @@ CUDA_VISIBLE_DEVICES, so ``-tp K`` works inside each). The second fronts servers
 elsewhere. Replicas share nothing, so scaling out is adding replicas; across machines use a real
 orchestrator (deploy/ and docs/parallelism.md), which restarts a dead replica, which this
 launcher does not: it keeps serving from the others.
+
+The proxy enforces the API keys and the body cap itself (before a replica sees anything), and
+the launcher passes the same --api-key, --api-key-file and --max-request-body-bytes to each
+replica it starts, so the two never disagree (PAGELLM_API_KEY reaches both through the
+environment).
 """
 
 from __future__ import annotations
@@ -22,11 +27,20 @@ import sys
 import time
 from typing import Any
 
-from pagellm.config import child_environ
-from pagellm.entrypoints.replica_proxy import Replica, ReplicaProxy
+from pagellm.config import child_environ, read_env
+from pagellm.entrypoints.openai.tenancy import ApiKeys, load_api_keys
+from pagellm.entrypoints.replica_proxy import (
+    DEFAULT_CLIENT_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    Replica,
+    ReplicaProxy,
+)
 from pagellm.worker.multiproc_executor import free_port
 
 logger = logging.getLogger("pagellm")
+
+# Launcher flags that each launched `pagellm serve` gets too (the proxy and replicas agree).
+FORWARDED_FLAGS = ("--api-key", "--api-key-file", "--max-request-body-bytes")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -46,6 +60,19 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="GPUs per replica (sets CUDA_VISIBLE_DEVICES per replica)")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' at the proxy (repeatable; "
+                        "passed to each launched replica; default env PAGELLM_API_KEY); "
+                        "/health and /proxy/metrics stay open")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="accept the keys in PATH, as `pagellm serve --api-key-file` (passed "
+                        "to each launched replica)")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 at the proxy (passed to each launched "
+                        "replica; default 8 MiB, as pagellm serve)")
+    p.add_argument("--client-timeout", type=float, default=DEFAULT_CLIENT_TIMEOUT_S,
+                   help="seconds a client has to send its whole request; slower ones get 408 "
+                        "and are cut (default 30)")
     ns = p.parse_args(argv)
     if (ns.data_parallel_size is None) == (not ns.backend):
         p.error("give either --data-parallel-size N (and the serve flags after --) or --backend")
@@ -53,7 +80,28 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--data-parallel-size must be >= 1, got {ns.data_parallel_size}")
     if ns.backend and serve_args:
         p.error("serve flags after -- are only for launched replicas (--data-parallel-size)")
+    for arg in serve_args:
+        flag = arg.split("=", 1)[0]
+        if flag in FORWARDED_FLAGS:
+            p.error(f"give {flag} before --: the proxy checks it too, and the launcher passes "
+                    "it to each replica")
+    if ns.max_request_body_bytes < 1 or ns.client_timeout <= 0:
+        p.error("--max-request-body-bytes and --client-timeout must be positive")
+    try:
+        ns.api_keys = load_api_keys(ns.api_key, ns.api_key_file, read_env().api_key)
+    except ValueError as e:
+        p.error(str(e))
     return ns, serve_args
+
+
+def replica_serve_args(ns: argparse.Namespace, serve_args: list[str]) -> list[str]:
+    """The serve flags of each launched replica: the user's, plus the forwarded flags."""
+    out = list(serve_args)
+    for key in ns.api_key or ():
+        out += ["--api-key", key]
+    if ns.api_key_file:
+        out += ["--api-key-file", ns.api_key_file]
+    return out + ["--max-request-body-bytes", str(ns.max_request_body_bytes)]
 
 
 def _die_with_parent() -> None:
@@ -123,10 +171,16 @@ def main(argv: list[str] | None = None) -> None:
     if ns.backend:
         replicas = [Replica(i, url.rstrip("/")) for i, url in enumerate(ns.backend)]
     else:
-        launched = launch_replicas(ns.data_parallel_size, serve_args, ns.devices_per_replica)
+        launched = launch_replicas(ns.data_parallel_size, replica_serve_args(ns, serve_args),
+                                   ns.devices_per_replica)
         replicas = [r for r, _ in launched]
         procs = [p for _, p in launched]
-    proxy = ReplicaProxy(replicas, health_interval_s=ns.health_interval)
+    api_keys: ApiKeys | None = ns.api_keys
+    if api_keys is not None:
+        logger.info("%s at the proxy.", api_keys.describe())
+    proxy = ReplicaProxy(replicas, health_interval_s=ns.health_interval, api_keys=api_keys,
+                         max_body_bytes=ns.max_request_body_bytes,
+                         client_timeout_s=ns.client_timeout)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt

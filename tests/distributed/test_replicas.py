@@ -8,6 +8,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600.0
 SERVE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256",
                "--served-model-name", "tiny"]
+KEY = "sk-replicas-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 
@@ -34,7 +37,7 @@ def proxy(tiny_model_dir, tmp_path_factory):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, str(REPO / "scripts" / "replicas.py"), "--data-parallel-size", "2",
-             "--port", str(port), "--health-interval", "0.3", "--",
+             "--port", str(port), "--health-interval", "0.3", "--api-key", KEY, "--",
              str(tiny_model_dir("llama")), *SERVE_FLAGS],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
             stderr=subprocess.STDOUT)
@@ -56,11 +59,11 @@ def proxy(tiny_model_dir, tmp_path_factory):
 
 
 def _stats(url: str) -> list[dict]:
-    return httpx.get(f"{url}/proxy/stats", timeout=5).json()
+    return httpx.get(f"{url}/proxy/stats", headers=AUTH, timeout=5).json()
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int = 8) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", timeout=120, json={
+    return httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=120, json={
         "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
         "ignore_eos": True})
 
@@ -80,11 +83,24 @@ def test_both_replicas_serve_the_same_model(proxy) -> None:
     assert sum(served) >= 6 and min(served) >= 1
 
 
+def test_the_api_key_reaches_every_replica(proxy) -> None:
+    url, _ = proxy
+    assert httpx.get(f"{url}/proxy/stats", timeout=5).status_code == 401
+    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 1}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 401
+    for replica in _stats(url):  # the launcher passed --api-key on to each replica
+        r = httpx.post(f"{replica['url']}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 401, r.text
+        r = httpx.post(f"{replica['url']}/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+
+
 def test_streaming_passes_through(proxy) -> None:
     url, _ = proxy
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0.0,
             "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH,
+                      timeout=120) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
@@ -93,11 +109,30 @@ def test_streaming_passes_through(proxy) -> None:
     assert text == _complete(url, [5, 6, 7], max_tokens=6).json()["choices"][0]["text"]
 
 
+def _wait_closed(replica_url: str) -> None:
+    """Until the killed replica's port refuses connections (its threads may hold the socket a
+    moment after the process is a zombie): a connection the dying process still accepted may
+    have delivered its body, so the proxy answers 502 instead of retrying."""
+    host, port = replica_url.removeprefix("http://").split(":")
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+        except ConnectionRefusedError:
+            return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_a_dead_replica_is_routed_around(proxy) -> None:
     url, launcher = proxy
-    victim = _stats(url)[0]["pid"]
-    os.kill(victim, signal.SIGKILL)
-    # Straight away (before any health check can notice), requests still succeed.
+    victim = _stats(url)[0]
+    os.kill(victim["pid"], signal.SIGKILL)
+    _wait_closed(victim["url"])
+    # Straight away (before any health check can notice), requests still succeed: a refused
+    # connection is retried on another replica.
     for i in range(4):
         r = _complete(url, [3, 4, 5 + i])
         assert r.status_code == 200, r.text
@@ -112,10 +147,11 @@ def test_a_dead_replica_is_routed_around(proxy) -> None:
     assert launcher.poll() is None  # the front end stays up
 
     # The last replica gone too: a clear 503, not a hang.
-    last = _stats(url)[1]["pid"]
-    os.kill(last, signal.SIGKILL)
+    last = _stats(url)[1]
+    os.kill(last["pid"], signal.SIGKILL)
+    _wait_closed(last["url"])
     r = _complete(url, [3, 4, 5])
-    assert r.status_code == 503 and "no healthy replica" in r.text
+    assert r.status_code == 503 and "no healthy replica" in r.text, r.text
     deadline = time.monotonic() + 10
     while httpx.get(f"{url}/health", timeout=5).status_code != 503:
         assert time.monotonic() < deadline

@@ -32,12 +32,16 @@ def make_tokenizer():
 
 
 def make_config(max_model_len: int = 64, step_delay_s: float = 0.002,
-                fail_after_steps: int | None = None, fail_at_start: bool = False):
+                fail_after_steps: int | None = None, fail_at_start: bool = False,
+                fail_add_token: int | None = None, step_gate: Any = None):
+    """``fail_add_token``: admitting a prompt that holds this token raises in the core;
+    ``step_gate``: a multiprocessing (spawn) Event every step waits for."""
     model = SimpleNamespace(max_model_len=max_model_len, vocab_size=VOCAB_SIZE,
                             served_model_name="fake-model", model=None)
     scheduler = SimpleNamespace(max_num_seqs=8, policy="fcfs")
     return SimpleNamespace(model=model, scheduler=scheduler, step_delay_s=step_delay_s,
-                           fail_after_steps=fail_after_steps, fail_at_start=fail_at_start)
+                           fail_after_steps=fail_after_steps, fail_at_start=fail_at_start,
+                           fail_add_token=fail_add_token, step_gate=step_gate)
 
 
 # Each message's content, then a space: the word-level tokenizer reads it back as words.
@@ -45,8 +49,8 @@ FAKE_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 @contextlib.asynccontextmanager
-async def fake_server(tokenizer: Any = None, limits: Any = None, **config_kwargs: Any
-                      ) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+async def fake_server(tokenizer: Any = None, limits: Any = None, health_max_step_s: float = 0.0,
+                      **config_kwargs: Any) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
     """The real app (build_app, its middleware and lifespan) over AsyncLLM and the fake core,
     served in this process through httpx's ASGI transport: (client, engine). Requests run as
     tasks on this event loop, so a handler that blocks the loop blocks the test too."""
@@ -56,7 +60,8 @@ async def fake_server(tokenizer: Any = None, limits: Any = None, **config_kwargs
     engine = AsyncLLM(make_config(**config_kwargs), core_factory=FakeEngineCore,
                       tokenizer=tokenizer or make_tokenizer(), eos_token_id=None,
                       log_stats=False)
-    app = build_app(engine, chat_template=FAKE_CHAT_TEMPLATE, limits=limits)
+    app = build_app(engine, chat_template=FAKE_CHAT_TEMPLATE, limits=limits,
+                    health_max_step_s=health_max_step_s)
     # The unhandled-exception handler answers 500, then re-raises for the server's log.
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with app.router.lifespan_context(app):
@@ -83,6 +88,10 @@ class FakeEngineCore:
         self.aborted: dict[str, RequestStatus] = {}
 
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:  # as the real scheduler
+            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler.")
+        if self.config.fail_add_token in request.prompt_token_ids:
+            raise RuntimeError("fake failure while admitting a request")
         self.requests[request.request_id] = request
 
     def abort_requests(self, req_ids: list[str],
@@ -96,6 +105,8 @@ class FakeEngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         self.num_steps += 1
+        if self.config.step_gate is not None:
+            self.config.step_gate.wait()
         if self.config.fail_after_steps is not None and \
                 self.num_steps > self.config.fail_after_steps:
             raise RuntimeError("fake model failure")

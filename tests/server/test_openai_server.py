@@ -25,7 +25,8 @@ PROMPT = "The capital of France is"
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = ServerProcess([*TINY_ARGS, "--api-key", API_KEY, "--served-model-name", "smol",
-                         "alias", "--enable-prefix-caching", "--max-num-seqs", "16"], log)
+                         "alias", "--enable-prefix-caching", "--max-num-seqs", "16",
+                         "--enable-prompt-tokens-details"], log)
     yield srv
     srv.stop()
 

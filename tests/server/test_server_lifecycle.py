@@ -38,7 +38,7 @@ def test_server_flags_parse():
                 "--chat-template", "t.jinja", "--disable-log-stats", "--enable-log-requests",
                 "--uvicorn-log-level", "warning", "--enable-prefix-caching",
                 "--tensor-parallel-size", "1"])
-    assert ns.host == "0.0.0.0" and ns.api_key == "k" and ns.served_model_name == ["a", "b"]
+    assert ns.host == "0.0.0.0" and ns.api_key == ["k"] and ns.served_model_name == ["a", "b"]
     assert ns.disable_log_stats and ns.enable_log_requests and ns.enable_prefix_caching
     assert ns.uvicorn_log_level == "warning" and ns.chat_template == "t.jinja"
 

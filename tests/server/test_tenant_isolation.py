@@ -1,7 +1,9 @@
-"""Tenant isolation on a real server (the default model, fp32, prefix caching on, --api-key):
-requests with different cache_salt never share KV blocks (per-request cached_tokens and the
-prefix-cache counters), the API key guards every non-probe path and is compared with
-hmac.compare_digest, and no prompt text reaches the log without --enable-log-requests."""
+"""Tenant isolation on a real server (the default model, fp32, prefix caching on, API keys from
+--api-key and --api-key-file): requests of different keys, or with different cache_salt, never
+share KV blocks (per-request cached_tokens and the prefix-cache counters) unless
+--prefix-cache-scope global says so; cached_tokens is reported only with
+--enable-prompt-tokens-details; the keys guard every non-probe path and are compared with
+hmac.compare_digest; and no prompt text reaches the log without --enable-log-requests."""
 
 from __future__ import annotations
 
@@ -13,11 +15,14 @@ import httpx
 import pytest
 from server_utils import TINY_ARGS, ServerProcess, metric, scrape
 
-from pagellm.entrypoints.openai import api_server
+from pagellm.entrypoints.openai import tenancy
 from pagellm.entrypoints.openai.api_server import OPEN_PATHS, ApiKeyMiddleware
 
 KEY = "sk-tenant-test-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+# Two more tenants, from --api-key-file: one named, one not.
+KEY_B, KEY_C = "sk-tenant-b-file-key-000", "sk-tenant-c-file-key-111"
+KEY_FILE = f"# tenants of the test\n\n{KEY_B} team-b\n   # indented comment\n{KEY_C}\n"
 BLOCK = 16  # the default --block-size
 SECRET = "PANGOLIN-SECRET-4242"  # must never appear in the log
 LONG = ("Tenant isolation: the prefix cache must not let one tenant learn what another sent. "
@@ -26,8 +31,11 @@ LONG = ("Tenant isolation: the prefix cache must not let one tenant learn what a
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("tenants") / "server.log"
-    srv = ServerProcess([*TINY_ARGS, "--enable-prefix-caching", "--api-key", KEY], log)
+    tmp = tmp_path_factory.mktemp("tenants")
+    (tmp / "keys.txt").write_text(KEY_FILE)
+    srv = ServerProcess([*TINY_ARGS, "--enable-prefix-caching", "--api-key", KEY,
+                         "--api-key-file", str(tmp / "keys.txt"),
+                         "--enable-prompt-tokens-details"], tmp / "server.log")
     yield srv
     srv.stop()
 
@@ -109,7 +117,9 @@ def test_no_prompt_text_in_the_log_without_enable_log_requests(server):
         ("/v1/completions", {"prompt": prompt * 300, "max_tokens": 2}),  # too long: 400
         ("/v1/completions", {"prompt": prompt, "temperature": -1}),  # bad field: 400
         ("/v1/completions", {"prompt": prompt, "stop": [SECRET] * 100}),  # too many stops
-        ("/v1/chat/completions", {"messages": [{"role": "nobody", "content": prompt}]}),
+        # Any role renders (a 200): max_tokens keeps it short on a loaded machine.
+        ("/v1/chat/completions", {"messages": [{"role": "nobody", "content": prompt}],
+                                  "max_tokens": 2}),
         ("/tokenize", {"prompt": prompt}),
     ]
     statuses = [httpx.post(f"{base}{path}", json=body, headers=AUTH, timeout=300).status_code
@@ -147,13 +157,13 @@ def test_api_key_is_compared_in_constant_time(monkeypatch):
     """Every request to a guarded path goes through one hmac.compare_digest of the whole
     header against the whole expected value (no early-exit == on any path)."""
     calls = []
-    real = api_server.hmac.compare_digest
+    real = tenancy.hmac.compare_digest
 
     def recording(a, b):
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(api_server.hmac, "compare_digest", recording)
+    monkeypatch.setattr(tenancy.hmac, "compare_digest", recording)
     reached = []
 
     async def inner(scope, receive, send):
@@ -190,3 +200,70 @@ def test_api_key_is_compared_in_constant_time(monkeypatch):
 
     asyncio.run(main())
     assert reached.count("/v1/completions") == 1
+
+
+def complete(base: str, key: str, salt: str | None = None, prompt: str = LONG) -> dict:
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = httpx.post(f"{base}/v1/completions", json=body,
+                   headers={"Authorization": f"Bearer {key}"}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def test_each_key_is_its_own_cache_namespace(server):
+    base = server.base_url
+    prompt = "Each API key is a tenant with a prefix cache of its own. " * 14
+    full = None
+    seen = {}
+    for name, key, salt in [("a", KEY, None), ("b", KEY_B, None), ("c", KEY_C, None),
+                            ("a again", KEY, None), ("b again", KEY_B, None),
+                            ("a salted", KEY, "s1"), ("b salted", KEY_B, "s1"),
+                            ("a salted again", KEY, "s1"), ("a other salt", KEY, "s2")]:
+        hits0, _ = hits_and_queries(base)
+        usage = complete(base, key, salt, prompt)
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert hits_and_queries(base)[0] - hits0 == cached, name
+        full = (usage["prompt_tokens"] - 1) // BLOCK * BLOCK
+        seen[name] = cached
+    assert full > 8 * BLOCK
+    # Another key never hits (not even with the same salt); the same key (and salt) does.
+    assert seen == {"a": 0, "b": 0, "c": 0, "a again": full, "b again": full,
+                    "a salted": 0, "b salted": 0, "a salted again": full, "a other salt": 0}
+
+
+@pytest.fixture(scope="module")
+def global_server(tmp_path_factory):
+    """Two keys, --prefix-cache-scope global, and no --enable-prompt-tokens-details."""
+    tmp = tmp_path_factory.mktemp("global")
+    (tmp / "keys.txt").write_text(f"{KEY_B} team-b\n")
+    srv = ServerProcess([*TINY_ARGS, "--enable-prefix-caching", "--api-key", KEY,
+                         "--api-key-file", str(tmp / "keys.txt"), "--prefix-cache-scope",
+                         "global"], tmp / "server.log")
+    yield srv
+    srv.stop()
+
+
+def test_global_scope_shares_and_details_are_off_by_default(global_server):
+    base = global_server.base_url
+    prompt = "With a global scope every tenant shares the prefix cache. " * 14
+    deltas = []
+    for key in (KEY, KEY_B, KEY_B):
+        hits0, _ = hits_and_queries(base)
+        usage = complete(base, key, prompt=prompt)
+        # No cached_tokens without --enable-prompt-tokens-details (as vLLM).
+        assert usage.get("prompt_tokens_details") is None, usage
+        deltas.append(hits_and_queries(base)[0] - hits0)
+    full = (usage["prompt_tokens"] - 1) // BLOCK * BLOCK
+    assert deltas == [0, full, full]  # the second tenant hits the first one's blocks
+    body = {"prompt": prompt, "max_tokens": 1, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=AUTH,
+                      timeout=300) as r:
+        usages = [json.loads(line[6:]).get("usage") for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert usages[-1]["prompt_tokens"] > 0 and usages[-1].get("prompt_tokens_details") is None
+    chat = httpx.post(f"{base}/v1/chat/completions", headers=AUTH, timeout=300, json={
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}).json()
+    assert chat["usage"].get("prompt_tokens_details") is None

@@ -11,10 +11,13 @@ from typing import Any
 
 from pagellm.engine_args import EngineArgs
 from pagellm.entrypoints.openai import limits
+from pagellm.entrypoints.openai.tenancy import PREFIX_CACHE_SCOPES, load_api_keys
 
 logger = logging.getLogger("pagellm")
 
 API_KEY_ENV = "PAGELLM_API_KEY"
+# Far above any healthy step (a long prefill chunk on a CPU), yet a wedge is seen in minutes.
+DEFAULT_HEALTH_MAX_STEP_S = 120.0
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -23,9 +26,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="address to listen on (default 127.0.0.1: local only; 0.0.0.0 serves "
                         "the network)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' (also env {API_KEY_ENV}); "
-                        "/health, /metrics, /version and the API docs stay open")
+    g.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' (repeatable: any of the keys; "
+                        f"without --api-key or --api-key-file, env {API_KEY_ENV}); /health, "
+                        "/metrics, /version and the API docs stay open")
+    g.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="accept the keys in PATH: one per line, optionally 'KEY NAME' (keys "
+                        "with one name are one tenant); blank lines and # comments skipped")
+    g.add_argument("--prefix-cache-scope", choices=PREFIX_CACHE_SCOPES, default="key",
+                   help="key (default): each API key's tenant has its own prefix cache (a "
+                        "request's cache_salt narrows it further); global: every request may "
+                        "share cached blocks with every other (as vLLM)")
+    g.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="report usage.prompt_tokens_details.cached_tokens (off: a hit tells a "
+                        "client that someone in its cache namespace sent the same prefix)")
     EngineArgs.add_cli_arg(g, "served_model_name")  # an engine field, spelled as a server flag
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (or inline template) overriding the "
@@ -39,6 +54,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "(or token ids) (default: all)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--health-max-step-seconds", type=float, default=DEFAULT_HEALTH_MAX_STEP_S,
+                   metavar="S",
+                   help="/health answers 503 once requests have waited S seconds with no engine "
+                        f"step completing (a wedged engine) (default {DEFAULT_HEALTH_MAX_STEP_S:g};"
+                        " 0 disables)")
     lim = parser.add_argument_group("request limits (see docs/reliability.md)")
     lim.add_argument("--max-request-body-bytes", type=int,
                      default=limits.DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -53,16 +73,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                      help="longest stop string, in characters (default 256)")
     lim.add_argument("--max-prompts", type=int, default=limits.DEFAULT_MAX_PROMPTS,
                      help="most prompts in one /v1/completions request (default 64)")
+    lim.add_argument("--max-seqs-per-request", type=int,
+                     default=limits.DEFAULT_MAX_SEQS_PER_REQUEST,
+                     help="most sequences (prompts x n) one request may start (default 64)")
+    lim.add_argument("--max-logit-bias", type=int, default=limits.DEFAULT_MAX_LOGIT_BIAS,
+                     help="most logit_bias entries per request (default 300, as OpenAI)")
     lim.add_argument("--max-waiting-requests", type=int, default=None,
                      help="sequences allowed to wait beyond --max-num-seqs; past it new "
-                          "requests get 503 with Retry-After (default: unbounded)")
+                          "requests get 503 with Retry-After (default: "
+                          f"{limits.DEFAULT_WAITING_PER_RUNNING_SEQ} x --max-num-seqs)")
 
 
 def server_limits_from(ns: argparse.Namespace) -> limits.ServerLimits:
     return limits.ServerLimits(
         max_request_body_bytes=ns.max_request_body_bytes, max_json_depth=ns.max_json_depth,
         max_n=ns.max_n, max_stop=ns.max_stop, max_stop_length=ns.max_stop_length,
-        max_prompts=ns.max_prompts, max_waiting_requests=ns.max_waiting_requests)
+        max_prompts=ns.max_prompts, max_seqs_per_request=ns.max_seqs_per_request,
+        max_logit_bias=ns.max_logit_bias, max_waiting_requests=ns.max_waiting_requests)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -107,14 +134,20 @@ def run_serve(ns: argparse.Namespace) -> None:
             chat_template = load_chat_template(ns.chat_template)
             server_limits = server_limits_from(ns)
             config = args.create_engine_config()
+            api_keys = load_api_keys(ns.api_key, ns.api_key_file, config.env.api_key)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
-        api_key = ns.api_key or config.env.api_key
+        if api_keys is not None:
+            logger.info("%s; prefix cache scope: %s.", api_keys.describe(),
+                        ns.prefix_cache_scope)
         engine = AsyncLLM(config, log_stats=not ns.disable_log_stats,
                           log_requests=ns.enable_log_requests, max_log_len=ns.max_log_len)
-        app = build_app(engine, names, chat_template, api_key, server_limits)
-        if ns.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        app = build_app(engine, names, chat_template, api_keys, server_limits,
+                        prefix_cache_scope=ns.prefix_cache_scope,
+                        enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+                        health_max_step_s=ns.health_max_step_seconds)
+        if ns.host not in ("127.0.0.1", "localhost", "::1") and api_keys is None:
             logger.warning("Serving on %s without --api-key: anyone who can reach this port "
                            "can use the model.", ns.host)
         exit_code = asyncio.run(serve_http(app, engine, ns.host, ns.port,

@@ -23,6 +23,11 @@ DEFAULT_MAX_N = 16
 DEFAULT_MAX_STOP = 32
 DEFAULT_MAX_STOP_LENGTH = 256  # characters per stop string
 DEFAULT_MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+DEFAULT_MAX_SEQS_PER_REQUEST = 64  # prompts x n: what one request may start
+DEFAULT_MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+# Without --max-waiting-requests, this many times --max-num-seqs may wait: deep enough to keep
+# the batch full between a client's requests, small enough that a flood gets 503 quickly.
+DEFAULT_WAITING_PER_RUNNING_SEQ = 4
 
 
 @dataclass(frozen=True)
@@ -33,12 +38,21 @@ class ServerLimits:
     max_stop: int = DEFAULT_MAX_STOP
     max_stop_length: int = DEFAULT_MAX_STOP_LENGTH
     max_prompts: int = DEFAULT_MAX_PROMPTS
-    # Sequences that may wait beyond --max-num-seqs before new requests get 503; None = no bound.
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
+    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS
+    # Sequences that may wait beyond --max-num-seqs before new requests get 503;
+    # None = DEFAULT_WAITING_PER_RUNNING_SEQ x --max-num-seqs (see waiting_cap).
     max_waiting_requests: int | None = None
+
+    def waiting_cap(self, max_num_seqs: int) -> int:
+        if self.max_waiting_requests is not None:
+            return self.max_waiting_requests
+        return DEFAULT_WAITING_PER_RUNNING_SEQ * max_num_seqs
 
     def __post_init__(self) -> None:
         for name in ("max_request_body_bytes", "max_json_depth", "max_n", "max_stop",
-                     "max_stop_length", "max_prompts"):
+                     "max_stop_length", "max_prompts", "max_seqs_per_request",
+                     "max_logit_bias"):
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}.")

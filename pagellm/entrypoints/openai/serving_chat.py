@@ -21,7 +21,6 @@ from pagellm.entrypoints.openai.protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     DeltaMessage,
-    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
@@ -132,8 +131,7 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt = len(out.prompt_token_ids)
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                           total_tokens=num_prompt + num_completion,
-                          prompt_tokens_details=PromptTokensDetails(
-                              cached_tokens=out.num_cached_tokens))
+                          prompt_tokens_details=self.prompt_details(out.num_cached_tokens))
         body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
 
@@ -188,8 +186,7 @@ class OpenAIServingChat(OpenAIServing):
                 num_prompt = len(stream.prompt_token_ids)
                 usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                                   total_tokens=num_prompt + num_completion,
-                                  prompt_tokens_details=PromptTokensDetails(
-                                      cached_tokens=num_cached))
+                                  prompt_tokens_details=self.prompt_details(num_cached))
                 yield self._chunk(request_id, created, model, [], usage)
         except Exception as e:
             yield sse_error(e, request_id)

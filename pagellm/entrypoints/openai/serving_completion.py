@@ -14,7 +14,6 @@ from pagellm.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    PromptTokensDetails,
     UsageInfo,
 )
 from pagellm.entrypoints.openai.serving_engine import (
@@ -89,7 +88,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                             prompt_text, 0))
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                           total_tokens=num_prompt + num_completion,
-                          prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
+                          prompt_tokens_details=self.prompt_details(num_cached))
         body = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
 
@@ -156,10 +155,10 @@ class OpenAIServingCompletion(OpenAIServing):
                                                choices=[choice])
                     yield sse(chunk)
             if req.stream_options is not None and req.stream_options.include_usage:
-                details = PromptTokensDetails(cached_tokens=sum(cached.values()))
                 usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                                   total_tokens=num_prompt + num_completion,
-                                  prompt_tokens_details=details)
+                                  prompt_tokens_details=self.prompt_details(
+                                      sum(cached.values())))
                 yield sse(CompletionResponse(id=request_id, created=created, model=model,
                                              choices=[], usage=usage))
         except Exception as e:  # headers are sent: report in the stream, as OpenAI does

@@ -24,7 +24,11 @@ from pagellm.engine.async_llm import (
 )
 from pagellm.engine.input_processor import PromptType
 from pagellm.entrypoints.openai.limits import ServerLimits
-from pagellm.entrypoints.openai.protocol import SamplingFields, random_id
+from pagellm.entrypoints.openai.protocol import (
+    PromptTokensDetails,
+    SamplingFields,
+    random_id,
+)
 from pagellm.entrypoints.openai.serving_errors import (
     OpenAIError,
     bad_request,
@@ -55,6 +59,9 @@ class ServedModels:
 
 
 RETRY_AFTER_S = 1  # what a 503 for a full waiting queue tells clients to wait
+# What an absent field means, unless the model's generation_config.json says otherwise.
+_OPENAI_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                    "repetition_penalty": 1.0}
 # One thread, as vLLM's async tokenizer: a Hugging Face fast tokenizer raises "Already
 # borrowed" when one thread encodes while another changes its truncation or padding.
 DEFAULT_TOKENIZER_THREADS = 1
@@ -90,6 +97,9 @@ class TokenizerPool:
 
 class OpenAIServing:
     request_id_prefix = "req"
+    # --enable-prompt-tokens-details: cached-token counts tell a client whether anyone in its
+    # cache namespace sent the same prefix, so they are reported only when asked for.
+    enable_prompt_tokens_details = False
 
     def __init__(self, engine: AsyncLLM, models: ServedModels,
                  limits: ServerLimits | None = None,
@@ -129,14 +139,20 @@ class OpenAIServing:
         if req.stop_token_ids is not None and len(req.stop_token_ids) > lim.max_stop:
             raise bad_request(f"stop_token_ids has more than {lim.max_stop} ids (--max-stop).",
                               "stop_token_ids")
+        if req.logit_bias and len(req.logit_bias) > lim.max_logit_bias:
+            raise bad_request(f"logit_bias has {len(req.logit_bias)} entries, more than "
+                              f"{lim.max_logit_bias} (--max-logit-bias).", "logit_bias")
 
     def check_capacity(self, num_seqs: int) -> None:
         """503 + Retry-After when admitting ``num_seqs`` more sequences would let more than
-        --max-waiting-requests wait beyond the --max-num-seqs that can run."""
-        cap = self.limits.max_waiting_requests
-        if cap is None:
-            return
+        --max-waiting-requests wait beyond the --max-num-seqs that can run; 400 past
+        --max-seqs-per-request."""
+        per_request = self.limits.max_seqs_per_request
+        if num_seqs > per_request:
+            raise bad_request(f"The request asks for {num_seqs} sequences (prompts x n), more "
+                              f"than {per_request} (--max-seqs-per-request).", "n")
         running_cap = self.engine.config.scheduler.max_num_seqs
+        cap = self.limits.waiting_cap(running_cap)
         if num_seqs > running_cap + cap:  # retrying would never help
             raise bad_request(f"The request asks for {num_seqs} sequences (prompts x n), more "
                               f"than this server ever admits at once ({running_cap + cap}).",
@@ -161,24 +177,35 @@ class OpenAIServing:
             if any(not 0 <= k < vocab for k in logit_bias):
                 raise bad_request(f"logit_bias has a token id outside the vocabulary "
                                   f"(size {vocab}).", "logit_bias")
+            # As OpenAI; NaN fails the comparison too.
+            if any(not -100.0 <= v <= 100.0 for v in logit_bias.values()):
+                raise bad_request("logit_bias values must be in [-100, 100].", "logit_bias")
+        defaults = self.sampling_defaults(req)
         try:
             return SamplingParams(
-                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
-                min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed,
+                n=req.n, seed=req.seed, **defaults,
                 max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=(1.0 if req.repetition_penalty is None
-                                    else req.repetition_penalty),
                 logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 logit_bias=logit_bias)
         except ValueError as e:
             # "SamplingParams.top_p must be ..." -> name the request field instead.
             raise bad_request(str(e).removeprefix("SamplingParams.")) from None
+
+    def sampling_defaults(self, req: SamplingFields) -> dict[str, Any]:
+        """temperature, top_p, top_k, min_p, repetition_penalty: the request's value; where it
+        is absent (or null), the model's generation_config.json default, else OpenAI's (as
+        vLLM; --generation-config vllm leaves only OpenAI's)."""
+        generation = getattr(self.engine.config.model, "generation_config", None)
+        model = generation.defaults if generation is not None else {}
+        values: dict[str, Any] = {}
+        for name, openai_default in _OPENAI_DEFAULTS.items():
+            value = getattr(req, name) if name in req.model_fields_set else None
+            values[name] = value if value is not None else model.get(name, openai_default)
+        return values
 
     def check_prompt(self, ids: list[int], max_tokens: int | None,
                      max_tokens_param: str = "max_tokens") -> None:
@@ -220,6 +247,12 @@ class OpenAIServing:
             close_all(streams)
             raise
         return streams
+
+    def prompt_details(self, num_cached: int) -> PromptTokensDetails | None:
+        """usage.prompt_tokens_details: None (absent) unless --enable-prompt-tokens-details."""
+        if not self.enable_prompt_tokens_details:
+            return None
+        return PromptTokensDetails(cached_tokens=num_cached)
 
     def token_str(self, token_id: int, decoded: str | None) -> str:
         if decoded is not None:
