@@ -263,14 +263,21 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._call_utility("reset_prefix_cache"))
 
-    async def _call_utility(self, method: str) -> Any:
+    async def update_weights_from_disk(self, model_path: str) -> int:
+        """Load a safetensors checkpoint of the same architecture into the running engine, once
+        the requests running when it arrives have finished (on the old weights); requests sent
+        meanwhile wait and then run on the new ones. The prefix cache is reset. Raises
+        ValueError (naming model_path) for a path that is not such a checkpoint."""
+        return int(await self._call_utility("update_weights_from_disk", (model_path,)))
+
+    async def _call_utility(self, method: str, args: tuple = ()) -> Any:
         if self.dead_error is not None:
             raise self.dead_error
         self.start()
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._utility_calls[call_id] = fut
-        self.core.send(("utility", call_id, method))
+        self.core.send(("utility", call_id, method, args))
         try:
             return await fut
         finally:

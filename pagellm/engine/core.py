@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import EngineCoreOutput, SchedulerOutput
@@ -131,6 +135,37 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return self.executor.collective_rpc(method, args, kwargs)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Update the model's weights on every rank, between steps with no request unfinished
+        (their K/V would mix the two models), then forget the prefix cache: no K/V computed
+        with the old weights is reused. Returns how many tensors were loaded."""
+        if self.scheduler.has_unfinished_requests():
+            raise RuntimeError("load_weights needs an idle engine: requests are still running")
+        # CPU copies for the other ranks' processes (pickled through the broadcast).
+        tp = self.config.parallel.tensor_parallel_size > 1
+        batch = [(name, t.detach().cpu() if tp else t.detach()) for name, t in weights]
+        return self._update(lambda: self.executor.collective_rpc("load_weights", (batch,)))
+
+    def update_weights_from_disk(self, model_path: str) -> int:
+        """``load_weights`` from a safetensors checkpoint of the same architecture (ValueError
+        naming model_path for anything else); each rank reads the files itself."""
+        from pagellm.worker.weight_update import check_same_architecture, load_checkpoint
+
+        files = check_same_architecture(self.config.model.hf_config, model_path)
+        if self.scheduler.has_unfinished_requests():
+            raise RuntimeError("update_weights_from_disk needs an idle engine")
+        return self._update(lambda: self.executor.collective_rpc(load_checkpoint, (files,)))
+
+    def _update(self, load: Callable[[], list[int]]) -> int:
+        counts = load()
+        if not self.scheduler.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset after a weight update")
+        return counts[0]
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -7,7 +7,7 @@ owns the sockets; AsyncLLM reads the output socket.
 
 Wire format: pickled tuples (both ends are this codebase; the sockets live in a 0700 directory).
   front -> core: ("add", [Request]), ("abort", [req_id], RequestStatus),
-                 ("utility", call_id, method_name), ("shutdown",)
+                 ("utility", call_id, method_name[, args]), ("shutdown",)
   core -> front: ("ready", {"pid", "num_blocks"}), ("outputs", EngineCoreOutputs),
                  ("utility", call_id, result), ("error", message)
 """
@@ -36,7 +36,10 @@ from pagellm.request import FinishReason, Request, RequestStatus
 logger = logging.getLogger("pagellm")
 
 _PARENT_CHECK_MS = 1000  # how often an idle engine checks that its parent is still alive
-_UTILITIES = ("reset_prefix_cache",)
+_UTILITIES = ("reset_prefix_cache", "update_weights_from_disk")
+# Utilities that run only once the running requests have drained: meanwhile new requests are
+# held back (admitted right after), so in-flight ones finish on the weights they started with.
+_AFTER_DRAIN = ("update_weights_from_disk",)
 
 
 @dataclass(slots=True)
@@ -82,6 +85,9 @@ class EngineCoreProc:
         self._unseen: dict[str, Request] = {}
         # Requests whose admission raised: sent, failed, with the next outputs.
         self._failed_adds: list[EngineCoreOutput] = []
+        # _AFTER_DRAIN calls waiting for the engine to drain, and the requests held meanwhile.
+        self._pending_utilities: list[tuple[int, str, tuple]] = []
+        self._held: list[Request] = []
         self._running = True
 
     def send(self, msg: tuple) -> None:
@@ -90,24 +96,48 @@ class EngineCoreProc:
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
+            if self._pending_utilities:
+                self._held.extend(msg[1])
+                return
             for request in msg[1]:
                 self._add_request(request)
         elif kind == "abort":
+            ids = set(msg[1])
+            self._held = [r for r in self._held if r.request_id not in ids]
             for req_id in msg[1]:
                 self._unseen.pop(req_id, None)
             self.core.abort_requests(msg[1], msg[2])
         elif kind == "utility":
-            _, call_id, method = msg
+            _, call_id, method, *rest = msg
             assert method in _UTILITIES, method
-            try:
-                result: Any = getattr(self.core, method)()
-            except Exception as e:  # report to the caller, keep serving
-                result = e
-            self.send(("utility", call_id, result))
+            args = tuple(rest[0]) if rest else ()
+            if method in _AFTER_DRAIN:
+                self._pending_utilities.append((call_id, method, args))
+                self._run_pending()
+            else:
+                self._run_utility(call_id, method, args)
         elif kind == "shutdown":
             self._running = False
         else:
             raise AssertionError(f"unknown message {kind!r}")
+
+    def _run_utility(self, call_id: int, method: str, args: tuple) -> None:
+        try:
+            result: Any = getattr(self.core, method)(*args)
+        except Exception as e:  # report to the caller, keep serving
+            result = e
+        self.send(("utility", call_id, result))
+
+    def _run_pending(self) -> None:
+        """Run the _AFTER_DRAIN calls once no request is running; then admit the held ones."""
+        if not self._pending_utilities or self.core.has_unfinished_requests():
+            return
+        pending, self._pending_utilities = self._pending_utilities, []
+        for call in pending:
+            self._run_utility(*call)
+        held, self._held = self._held, []
+        for request in held:
+            self._add_request(request)
 
     def _add_request(self, request: Request) -> None:
         """Admit one request. If that raises, only this request fails (finish_reason "error"
@@ -147,6 +177,7 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         core = self.core
         while self._running:
+            self._run_pending()
             handled = self._drain_input(block=not core.has_unfinished_requests())
             if not self._running:
                 break

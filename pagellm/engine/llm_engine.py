@@ -7,7 +7,10 @@ OutputProcessor (detokenize, stop strings, RequestOutput), all in this process.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import torch
 
 from pagellm.config import EngineConfig
 from pagellm.engine.core import EngineCore
@@ -84,6 +87,13 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return self.engine_core.collective_rpc(method, args, kwargs)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        return self.engine_core.load_weights(weights)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

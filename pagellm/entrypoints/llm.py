@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+import torch
 
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
@@ -36,8 +38,34 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate``/``chat`` use when given no sampling_params: SamplingParams' own
+        defaults, with the model's generation_config.json defaults over them (as vLLM; not
+        with --generation-config vllm). Explicit SamplingParams get none of them."""
+        generation = self.llm_engine.config.model.generation_config
+        return SamplingParams() if generation is None else generation.default_sampling_params()
+
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Replace the model's weights in place, e.g. from a trainer between rollouts.
+
+        ``weights``: ``(name, tensor)`` pairs named as in the transformers checkpoint (what
+        ``named_parameters()`` of its model yields), all of them or some (only those change).
+        They are fused, sharded over tensor-parallel ranks, re-packed for the CPU kernels and
+        re-quantized (``quantization=...``) as at start-up; the prefix cache is reset. Returns
+        how many tensors were loaded, once the next ``generate`` will use them. Call it between
+        ``generate`` calls, never while one runs in another thread.
+        """
+        return self.llm_engine.load_weights(weights)
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run ``method`` on every tensor-parallel rank; the results, one per rank in rank
+        order. ``method``: the name of a ModelRunner method (or the rank worker's), or a
+        callable taking the ModelRunner first (picklable, e.g. module-level, when TP > 1)."""
+        return self.llm_engine.collective_rpc(method, args, kwargs)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -49,7 +77,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompts)
+            params_list = [self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -3,16 +3,21 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.worker.rpc import run_method
 
 
 class Executor(Protocol):
     def initialize_kv_cache(self) -> int: ...
 
     def execute_model(self, sched_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]: ...
 
     def shutdown(self) -> None: ...
 
@@ -37,6 +42,10 @@ class UniProcExecutor:
         if self.fault_injector is not None:
             self.fault_injector.check_step(sched_output)
         return self.runner.execute_model(sched_output)
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return [run_method((self.runner,), method, args, kwargs)]
 
     def shutdown(self) -> None:
         pass

@@ -258,6 +258,15 @@ class ModelRunner:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
         return ModelRunnerOutput(req_ids=order, sampled_token_ids=sampled, logprobs=logprobs)
 
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """Replace some or all weights in place (``LLM.load_weights``); between steps only."""
+        from pagellm.worker.weight_update import update_weights
+
+        n = update_weights(self.model, weights)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the next step reads them
+        return n
+
     def _forward(self, inputs: PreparedInputs) -> torch.Tensor:
         """Hidden states of the step's tokens: a replayed CUDA graph for a decode step that fits
         a bucket, else the model eagerly."""

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn
 
@@ -105,9 +105,9 @@ class MultiprocExecutor:
 
     # ---- the Executor interface ------------------------------------------------------------
     def initialize_kv_cache(self) -> int:
-        blocks = self.collective_rpc("initialize_kv_cache")
+        blocks = self._call_all("initialize_kv_cache")
         assert len(set(blocks)) == 1, f"ranks disagree on the number of KV blocks: {blocks}"
-        self.rank_info = self.collective_rpc("rank_info")  # now with the KV cache's memory
+        self.rank_info = self._call_all("rank_info")  # now with the KV cache's memory
         for info in self.rank_info:
             logger.info("tp rank %d (pid %d): %.1f MiB of parameters (read %.1f MiB of "
                         "checkpoint), %d KV blocks; resident %.1f MiB, peak %.1f MiB",
@@ -120,12 +120,23 @@ class MultiprocExecutor:
         self._send("execute_model", (sched_output,), (0,))
         return self._wait_replies((0,), None)[0]
 
-    def collective_rpc(self, method: str, args: tuple = (), timeout_s: float | None = None
-                       ) -> list[Any]:
+    def _call_all(self, method: str, args: tuple = (), timeout_s: float | None = None
+                  ) -> list[Any]:
         """Run ``Worker.<method>(*args)`` on every rank; the results in rank order."""
         self._send(method, args, tuple(range(self.tp_size)))
         replies = self._wait_replies(range(self.tp_size), timeout_s)
         return [replies[r] for r in range(self.tp_size)]
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``method`` (a Worker or ModelRunner method's name, or a picklable callable taking
+        the ModelRunner first) on every rank; the results in rank order. An exception on a
+        rank is raised here (the first rank's) and the workers go on."""
+        results = self._call_all("rpc", (method, args, kwargs))
+        for ok, value in results:
+            if not ok:
+                raise value
+        return [value for _, value in results]
 
     def shutdown(self) -> None:
         """Stop every worker (politely, then by force) and free the ring; idempotent."""

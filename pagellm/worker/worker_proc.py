@@ -29,7 +29,7 @@ from pagellm.distributed.shm_broadcast import (
 
 logger = logging.getLogger("pagellm")
 
-RPC_METHODS = ("initialize_kv_cache", "execute_model", "rank_info")
+RPC_METHODS = ("initialize_kv_cache", "execute_model", "rank_info", "rpc")
 
 
 @dataclass
@@ -72,6 +72,21 @@ class Worker:
         if self.fault_injector is not None:
             self.fault_injector.check_step(sched_output)
         return self.runner.execute_model(sched_output)
+
+    def rpc(self, method: Any, args: tuple, kwargs: dict[str, Any] | None
+            ) -> tuple[bool, Any]:
+        """``collective_rpc``: (True, result), or (False, the exception): a failed call (a bad
+        weight name) fails on every rank alike, outside any collective, so the rank goes on."""
+        from pagellm.worker.rpc import run_method
+
+        try:
+            return True, run_method((self, self.runner), method, args, kwargs)
+        except Exception as e:
+            try:
+                pickle.dumps(e)
+            except Exception:
+                e = RuntimeError(f"{type(e).__name__}: {e}")
+            return False, e
 
     def rank_info(self) -> dict[str, Any]:
         """Who this rank is and what it holds (weights, checkpoint bytes read, memory)."""

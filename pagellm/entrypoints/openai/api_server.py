@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -35,21 +34,27 @@ from pagellm.entrypoints.openai.serving_errors import (
     error_body,
     install_error_handlers,
 )
+from pagellm.entrypoints.openai.tenancy import (
+    OPEN_PATHS,
+    PREFIX_CACHE_SCOPES,
+    TENANT_SCOPE_KEY,
+    ApiKey,
+    ApiKeys,
+    cache_namespace,
+)
 
 logger = logging.getLogger("pagellm")
 
-# Paths that stay open with --api-key (probes and scrapers carry no key).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/openapi.json",
-                        "/docs/oauth2-redirect", "/redoc"})
 ENGINE_DEAD_GRACE_S = 2.0  # /health answers 503 this long before the server exits
 
 
 class ApiKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` matches (constant-time compare)."""
+    """401 unless ``Authorization: Bearer <key>`` matches one of the keys (constant-time
+    compare); a match leaves the key's tenant identity in the scope for the cache namespace."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_key: str | ApiKeys) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.keys = api_key if isinstance(api_key, ApiKeys) else ApiKeys([ApiKey(api_key)])
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" \
@@ -61,7 +66,9 @@ class ApiKeyMiddleware:
             if name == b"authorization":
                 given = value
                 break
-        if hmac.compare_digest(given, self.expected):
+        identity = self.keys.identity_of(given)
+        if identity is not None:
+            scope[TENANT_SCOPE_KEY] = identity
             await self.app(scope, receive, send)
             return
         response = JSONResponse(error_body(401, "Invalid or missing API key (send "
@@ -96,8 +103,17 @@ def with_cancellation(handler: Callable[..., Awaitable[Any]]) -> Callable[..., A
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
-              chat_template: str | None = None, api_key: str | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+              chat_template: str | None = None, api_key: str | ApiKeys | None = None,
+              limits: ServerLimits | None = None, prefix_cache_scope: str = "key",
+              enable_prompt_tokens_details: bool = False,
+              health_max_step_s: float = 0.0) -> FastAPI:
+    """``api_key``: one key or several (ApiKeys); with ``prefix_cache_scope`` "key" each key's
+    tenant gets its own prefix-cache namespace (a request's cache_salt narrows it further).
+    ``health_max_step_s`` (> 0): /health answers 503 once requests have waited this long for
+    an engine step (a wedged engine); ``pagellm serve`` sets it (--health-max-step-seconds)."""
+    if prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+        raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, got "
+                         f"{prefix_cache_scope!r}")
     config = engine.config
     limits = limits or ServerLimits()
     models = ServedModels(served_model_names or [config.model.served_model_name],
@@ -108,6 +124,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
     tokenizer_pool = TokenizerPool(engine.tokenizer)
     completions = OpenAIServingCompletion(engine, models, limits, tokenizer_pool)
     chat = OpenAIServingChat(engine, models, renderer, limits, tokenizer_pool)
+    for serving in (completions, chat):
+        serving.enable_prompt_tokens_details = enable_prompt_tokens_details
+
+    def scope_salt(body: CompletionRequest | ChatCompletionRequest, raw_request: Request) -> None:
+        """The engine sees the tenant's namespace (never the key) plus the client's salt."""
+        tenant = raw_request.scope.get(TENANT_SCOPE_KEY) if prefix_cache_scope == "key" \
+            else None
+        body.cache_salt = cache_namespace(tenant, body.cache_salt)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -128,9 +152,24 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
+    stall_logged = False  # log a stall once, not at every probe
+
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if engine.errored else 200)
+        nonlocal stall_logged
+        if engine.errored:
+            return Response(status_code=503)
+        stalled_s = engine.seconds_without_progress()
+        if not 0 < health_max_step_s < stalled_s:
+            stall_logged = False
+            return Response(status_code=200)
+        message = (f"The engine looks wedged: no step has completed for {stalled_s:.1f} s "
+                   f"while {engine.num_unfinished_requests} sequence(s) are in flight "
+                   f"(limit {health_max_step_s:g} s, --health-max-step-seconds).")
+        if not stall_logged:
+            stall_logged = True
+            logger.error("/health answers 503: %s", message)
+        return JSONResponse(error_body(503, message, code="engine_stalled"), status_code=503)
 
     @app.get("/version")
     async def version() -> dict:
@@ -145,12 +184,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
     @app.post("/v1/completions")
     @with_cancellation
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        scope_salt(body, raw_request)
         return await completions.create(body)
 
     @app.post("/v1/chat/completions")
     @with_cancellation
     async def create_chat_completion(body: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
+        scope_salt(body, raw_request)
         return await chat.create(body)
 
     @app.post("/tokenize")
@@ -186,6 +227,24 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:
         return {"success": await engine.reset_prefix_cache()}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(raw_request: Request) -> dict:
+        # SGLang's route: requests running now finish first; those sent meanwhile wait.
+        try:
+            body = await raw_request.json()
+        except ValueError:
+            body = None
+        path = body.get("model_path") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not path:
+            raise bad_request("model_path (a string: a safetensors checkpoint folder) is "
+                              "required.", "model_path")
+        try:
+            n = await engine.update_weights_from_disk(path)
+        except ValueError as e:
+            raise bad_request(str(e), "model_path") from e
+        return {"success": True, "message": f"Loaded {n} tensors from {path}.",
+                "num_tensors": n}
 
     return app
 
