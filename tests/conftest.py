@@ -1,4 +1,5 @@
-"""Shared test helpers: tiny random Hugging Face models (Llama, Qwen2/3, Mistral, Phi-3) on disk.
+"""Shared test helpers: tiny random Hugging Face models (Llama, Qwen2/3, Mistral, Phi-3, Mixtral,
+Qwen3-MoE) on disk.
 
 ``write_tiny_model(path, arch)`` saves a transformers model with random weights (float32
 safetensors) plus a small byte-level BPE tokenizer whose size is the model's vocab_size, so that
@@ -15,7 +16,8 @@ from typing import Any
 
 import pytest
 
-TINY_ARCHS = ("llama", "llama-tied", "llama-rope3", "qwen2", "mistral", "qwen3", "phi3")
+TINY_ARCHS = ("llama", "llama-tied", "llama-rope3", "qwen2", "mistral", "qwen3", "phi3",
+              "mixtral", "qwen3-moe")
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -116,6 +118,25 @@ def tiny_config(arch: str = "llama", **overrides: Any) -> Any:
                        "long_factor": [1.0 + 0.9 * i for i in range(half)]})
         cfg.update(overrides)
         return Phi3Config(**cfg)
+    if arch == "mixtral":
+        # 4 experts, top-2, expert width 32.
+        from transformers import MixtralConfig
+
+        cfg = dict(common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                   sliding_window=None, rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 1000000.0})
+        cfg.update(overrides)
+        return MixtralConfig(**cfg)
+    if arch == "qwen3-moe":
+        # 3 layers: layer 1 dense (mlp_only_layers), 0 and 2 sparse; top-k not renormalized.
+        from transformers import Qwen3MoeConfig
+
+        cfg = dict(common, num_hidden_layers=3, head_dim=32, num_experts=4,
+                   num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                   decoder_sparse_step=1, norm_topk_prob=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        cfg.update(overrides)
+        return Qwen3MoeConfig(**cfg)
     raise ValueError(f"unknown tiny arch {arch!r}; one of {TINY_ARCHS}")
 
 

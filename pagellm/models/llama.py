@@ -7,7 +7,7 @@ The model runs on a flat batch: ``input_ids [T]`` and ``positions [T]`` -> hidde
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -67,11 +67,14 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding,
                  qkv_bias: bool, o_bias: bool,
-                 attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
+                 attention_cls: type[LlamaAttention] = LlamaAttention,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, layer_idx, rotary_emb, qkv_bias, o_bias)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                            bias=getattr(config, "mlp_bias", False))
+        # ``mlp``: a family's own (a MoE block); None: the dense SiLU MLP.
+        self.mlp = mlp if mlp is not None else LlamaMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act,
+            bias=getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -96,13 +99,15 @@ def rope_table_len(config: Any, max_model_len: int | None) -> int:
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, o_bias: bool,
                  max_model_len: int | None = None,
-                 attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
+                 attention_cls: type[LlamaAttention] = LlamaAttention,
+                 make_mlp: Callable[[Any, int], nn.Module | None] | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = get_rope(get_head_dim(config), rope_table_len(config, max_model_len),
                               config, max_model_len)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, o_bias, attention_cls)
+            LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, o_bias, attention_cls,
+                              make_mlp(config, i) if make_mlp is not None else None)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -140,7 +145,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         qkv_bias, o_bias = self.attention_bias(config)
-        self.model = LlamaModel(config, qkv_bias, o_bias, max_model_len, self.attention_cls)
+        self.model = LlamaModel(config, qkv_bias, o_bias, max_model_len, self.attention_cls,
+                                self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
@@ -156,6 +162,10 @@ class LlamaForCausalLM(nn.Module):
             logger.warning("sliding_window=%d is ignored: attention is full, so outputs differ "
                            "from the reference past %d tokens", self.sliding_window,
                            self.sliding_window)
+
+    def make_mlp(self, config: Any, layer_idx: int) -> nn.Module | None:
+        """Layer ``layer_idx``'s MLP when the family has its own (MoE); None: the dense one."""
+        return None
 
     @staticmethod
     def attention_bias(config: Any) -> tuple[bool, bool]:

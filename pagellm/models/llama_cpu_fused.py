@@ -99,6 +99,9 @@ class LlamaCpuFused:
         kinds = set()
         for layer in model.layers:
             sa, mlp = layer.self_attn, layer.mlp
+            # A family's own MLP (a MoE block) has no gate_up/down the kernel could run.
+            if not (_plain(LlamaMLP, mlp) and _plain(LlamaAttention, sa)):
+                return None
             attn = sa.attn
             linears = (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
             ok = (_plain(LlamaDecoderLayer, layer) and _plain(LlamaAttention, sa)

@@ -44,6 +44,12 @@ class ModelSpec:
     config_dtype: str | None = None  # the config's torch_dtype ("bfloat16"), read by dtype auto
     engine_supported: bool = True
     qk_norm: bool = False  # an RMSNorm over each head of q and k (Qwen3)
+    # Mixture-of-Experts (Mixtral, Qwen3-MoE): experts per MoE layer, how many a token uses,
+    # each expert's width, and how many layers are MoE (the others keep the dense MLP).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,7 +69,10 @@ class ModelSpec:
             qkv_bias, o_bias = model_cls.attention_bias(c)
             arch, supported = model_cls.__name__, True
             qk_norm = bool(getattr(model_cls, "qk_norm", False))
+            moe = getattr(model_cls, "moe_layout", None)
+            experts, top_k, moe_inter, moe_layers = moe(c) if moe else (0, 0, 0, 0)
         except ValueError:
+            experts, top_k, moe_inter, moe_layers = 0, 0, 0, 0
             bias = bool(getattr(c, "attention_bias", False))
             qkv_bias, o_bias, supported, qk_norm = bias, bias, False, False
             arch = (getattr(c, "architectures", None) or [getattr(c, "model_type", "?")])[0]
@@ -79,6 +88,8 @@ class ModelSpec:
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=bool(getattr(c, "mlp_bias", False)),
             context_len=model_context_len(c), checkpoint_format=checkpoint_format,
             checkpoint_bytes=checkpoint_bytes, engine_supported=supported, qk_norm=qk_norm,
+            num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_inter,
+            moe_layers=moe_layers,
             config_dtype=str(dtype).removeprefix("torch.") if dtype else None)
 
 

@@ -3,7 +3,8 @@
 Covers head-split attention (llama: 4 heads / 2 KV heads), KV-head replication (qwen2: 1 KV
 head on 2 ranks), an uneven vocabulary split (401 tokens over 2 ranks), replicated per-head q/k
 norms (qwen3) and fused qkv/gate_up checkpoint tensors, which each rank must take its q, k and v
-heads of (phi3).
+heads of (phi3), and MoE experts split along their intermediate dimension (mixtral,
+qwen3-moe).
 """
 
 from __future__ import annotations
@@ -65,3 +66,9 @@ def test_tp2_matches_tp1(tmp_path, tiny_model_dir, make_tiny_model):
 
 def test_tp2_matches_tp1_qwen3_phi3(tmp_path, tiny_model_dir):
     _run_tp2(tmp_path, [str(tiny_model_dir("qwen3")), str(tiny_model_dir("phi3"))])
+
+
+def test_tp2_matches_tp1_moe(tmp_path, tiny_model_dir):
+    # Every expert split along its width over the ranks, the down partial sums all-reduced;
+    # qwen3-moe also has a dense layer (mlp_only_layers) between its sparse ones.
+    _run_tp2(tmp_path, [str(tiny_model_dir("mixtral")), str(tiny_model_dir("qwen3-moe"))])

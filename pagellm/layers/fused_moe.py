@@ -1,0 +1,161 @@
+"""Mixture-of-Experts MLP: a replicated router and every expert's weights stacked in two tensors.
+
+``FusedMoE`` holds ``w13_weight [E, 2*I/tp, H]`` (each expert's gate rows, then its up rows) and
+``w2_weight [E, H, I/tp]``. Tensor parallelism splits every expert along its intermediate
+dimension, as vLLM's FusedMoE does without expert parallelism: each rank computes a partial down
+projection for all experts and the partial sums are all-reduced, like a RowParallelLinear.
+
+The forward routes as transformers does (softmax in float32, top-k, optional renormalization,
+cast to the activations' dtype), then groups the (token, k) assignments by expert: one gather,
+one pair of matmuls per expert that got tokens, one ``index_add_`` back. Adding the experts'
+outputs in ascending expert order per token is transformers' order, so float32 results agree
+to the bit on CPU.
+
+Every device runs this torch path; there is no Triton grouped GEMM yet. While a CUDA graph is
+being captured the per-expert token counts cannot be read on the host, so each expert then runs
+over every token, weighted by its routing weight (zero where it was not chosen).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.distributed.communication import tensor_model_parallel_all_reduce
+from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
+
+# Expert shard names: w1 = gate, w3 = up (both [I, H]), w2 = down ([H, I]), Mixtral's names.
+EXPERT_SHARDS = ("w1", "w3", "w2")
+
+
+class MoeRouter(nn.Module):
+    """``[T, H] -> [T, E]`` router logits; replicated, and kept out of the linear methods so
+    quantization and CPU prepacking never change which experts a token picks."""
+
+    def __init__(self, hidden_size: int, num_experts: int,
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        if loaded.shape != param.shape:
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
+                             f"router weight {tuple(param.shape)}")
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights ``[T, k]`` in ``dtype``, expert ids ``[T, k]``), as transformers routes."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"the experts' intermediate size ({intermediate_size}) is not "
+                             f"divisible by tensor_parallel_size ({self.tp_size})")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..{num_experts}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size  # the whole, unsharded width
+        self.inter_per_rank = intermediate_size // self.tp_size
+        dtype = params_dtype or torch.get_default_dtype()
+        i, h = self.inter_per_rank, hidden_size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, h, dtype=dtype),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, h, i, dtype=dtype),
+                                      requires_grad=False)
+        for p in (self.w13_weight, self.w2_weight):
+            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: tuple[int, str]) -> None:
+        """One expert's whole checkpoint tensor (``shard_id = (expert, "w1"|"w3"|"w2")``) ->
+        this rank's slice of its intermediate dimension."""
+        expert, which = shard_id
+        if not 0 <= expert < self.num_experts or which not in EXPERT_SHARDS:
+            raise ValueError(f"no expert shard {shard_id!r} (experts 0..{self.num_experts - 1}, "
+                             f"shards {EXPERT_SHARDS})")
+        full, i, h = self.intermediate_size, self.inter_per_rank, self.hidden_size
+        dim = 1 if which == "w2" else 0  # the intermediate dimension of the checkpoint tensor
+        expected = (h, full) if which == "w2" else (full, h)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} should be "
+                             f"{expected} (the whole, unsharded {which} of one expert)")
+        part = loaded.narrow(dim, self.tp_rank * i, i)
+        if which == "w2":
+            param.data[expert].copy_(part)
+        else:
+            param.data[expert, (0 if which == "w1" else i):][:i].copy_(part)
+
+    def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        gate, up = F.linear(x, self.w13_weight[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w2_weight[e])
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``, ``router_logits [T, E]`` -> ``[T, H]`` (all-reduced over tp)."""
+        weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            out = self._forward_dense(x, weights, ids)
+        else:
+            out = self._forward_grouped(x, weights, ids)
+        if self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+    def _forward_grouped(self, x: torch.Tensor, weights: torch.Tensor,
+                         ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        # Stable: a token's assignments keep ascending expert order, transformers' sum order.
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x.index_select(0, tokens)
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                out[start:start + n] = self._expert(rows[start:start + n], e)
+                start += n
+        out.mul_(weights.reshape(-1)[order].unsqueeze(1))
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def _forward_dense(self, x: torch.Tensor, weights: torch.Tensor,
+                       ids: torch.Tensor) -> torch.Tensor:
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
+        dense.scatter_(1, ids, weights)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            out += self._expert(x, e) * dense[:, e:e + 1]
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts: the MLP of a MoE decoder layer (``gate`` and ``experts`` as the
+    checkpoints name them)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool) -> None:
+        super().__init__()
+        self.gate = MoeRouter(hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x))
