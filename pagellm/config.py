@@ -169,6 +169,7 @@ class EngineConfig:
     parallel: ParallelConfig
     device: DeviceConfig
     enforce_eager: bool = False
+    enable_sleep_mode: bool = False  # LLM.sleep()/wake_up() allowed
     disable_log_stats: bool = False
     env: EnvSettings = EnvSettings()  # the environment's settings when the config was made
 

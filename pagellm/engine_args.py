@@ -105,6 +105,9 @@ class EngineArgs:
         "auto", "auto: triton on CUDA, cpu (C++ kernels, built on first use) on CPU; torch: the "
         "plain PyTorch reference", choices=ATTENTION_BACKENDS)
     enforce_eager: bool = option(False, "disable CUDA graphs")
+    enable_sleep_mode: bool = option(
+        False, "allow LLM.sleep()/wake_up() and the server's /sleep, /wake_up routes: free the "
+        "KV cache (level 1) and the weights too (level 2) between RL rollouts")
     served_model_name: str | None = option(
         None, "model name(s) clients use; the first is reported (default: MODEL)", nargs="+",
         from_cli=_first, server=True)
@@ -205,6 +208,7 @@ class EngineArgs:
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=DeviceConfig(device=device, attention_backend=self.attention_backend),
             enforce_eager=self.enforce_eager,
+            enable_sleep_mode=self.enable_sleep_mode,
             disable_log_stats=self.disable_log_stats,
             env=env,
         )

@@ -33,3 +33,8 @@ class EngineDeadError(RuntimeError):
 
 class WorkerFailedError(RuntimeError):
     """A tensor-parallel worker died or raised; the engine cannot continue."""
+
+
+class EngineSleepingError(RuntimeError):
+    """A request arrived while the engine sleeps (``sleep()``: its KV cache, maybe its weights,
+    freed): call ``wake_up()`` first. The server answers it with 503."""

@@ -39,6 +39,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # False: outputs carry token ids only (text "", no decoding work), for RL rollouts.
+    detokenize: bool = True
     # Filled by the engine: every stop string as a list, and the eos-equivalent token ids.
     _stop_strs: list[str] = field(default_factory=list, repr=False, init=False)
 
@@ -104,6 +106,11 @@ class SamplingParams:
             bad("prompt_logprobs", "is not supported yet (leave it None)")
         if any(not isinstance(s, str) or s == "" for s in self._stop_strs):
             bad("stop", "must be non-empty strings")
+        if not isinstance(self.detokenize, bool):
+            bad("detokenize", "must be a bool")
+        if not self.detokenize and self._stop_strs:
+            bad("stop", "needs detokenize=True (stop strings are matched on the text); use "
+                "stop_token_ids with detokenize=False")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             bad("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None:

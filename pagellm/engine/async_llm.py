@@ -24,7 +24,7 @@ from pagellm.engine.core_proc import EngineCoreClient, EngineCoreOutputs
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputKind, OutputProcessor
 from pagellm.engine_args import EngineArgs
-from pagellm.errors import EngineDeadError, RequestFailedError
+from pagellm.errors import EngineDeadError, EngineSleepingError, RequestFailedError
 from pagellm.metrics.logger import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
 from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.metrics.request_stats import IterationMetrics, RequestStatsTracker
@@ -112,6 +112,8 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
+        # Set from the moment a sleep is asked for until wake_up returns: requests are refused.
+        self._sleeping = False
         self._closing = False
         # When the engine last made progress (sent a step's outputs) or, if later, when work
         # became pending: a wedged engine shows as this growing while requests are in flight.
@@ -207,6 +209,9 @@ class AsyncLLM:
         input, EngineDeadError when the engine is gone); returns its output stream."""
         if self.dead_error is not None:
             raise self.dead_error
+        if self._sleeping:
+            raise EngineSleepingError("The engine is sleeping (its memory is freed for "
+                                      "training): POST /wake_up first, then retry.")
         self.start()
         if request_id in self.output_processor.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
@@ -269,6 +274,23 @@ class AsyncLLM:
         meanwhile wait and then run on the new ones. The prefix cache is reset. Raises
         ValueError (naming model_path) for a path that is not such a checkpoint."""
         return int(await self._call_utility("update_weights_from_disk", (model_path,)))
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) and the weights (level 2) once the requests running now
+        have finished; requests sent from now until wake_up raise EngineSleepingError."""
+        was, self._sleeping = self._sleeping, True
+        try:
+            await self._call_utility("sleep", (level,))
+        except BaseException:
+            self._sleeping = was
+            raise
+
+    async def wake_up(self) -> None:
+        await self._call_utility("wake_up")
+        self._sleeping = False
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self._call_utility("is_sleeping"))
 
     async def _call_utility(self, method: str, args: tuple = ()) -> Any:
         if self.dead_error is not None:

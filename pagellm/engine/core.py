@@ -17,7 +17,7 @@ import torch
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagellm.core.scheduler import Scheduler
-from pagellm.errors import EngineStepsFailedError, WorkerFailedError
+from pagellm.errors import EngineSleepingError, EngineStepsFailedError, WorkerFailedError
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import FinishReason, Request, RequestStatus
 
@@ -53,9 +53,13 @@ class EngineCore:
         self.stats = IterationStats()
         self.num_consecutive_step_failures = 0
         self.num_failed_steps = 0
+        self.sleep_level = 0  # see sleep()
         logger.info("Engine ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: Request) -> None:
+        if self.sleep_level:
+            raise EngineSleepingError("The engine is sleeping (its KV cache is freed): call "
+                                      "wake_up() before sending requests.")
         self.scheduler.add_request(request)
 
     def abort_requests(self, req_ids: list[str],
@@ -166,6 +170,37 @@ class EngineCore:
         if not self.scheduler.reset_prefix_cache():
             raise RuntimeError("the prefix cache could not be reset after a weight update")
         return counts[0]
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) and the weights (level 2) on every rank, with no request
+        unfinished (refused otherwise: their K/V would be lost); the prefix cache is reset, as
+        the cached blocks' contents go. See worker/sleep.py."""
+        from pagellm.worker.sleep import SLEEP_LEVELS
+
+        if not self.config.enable_sleep_mode:
+            raise RuntimeError("Sleep mode is off: start the engine with enable_sleep_mode=True "
+                               "(--enable-sleep-mode) to use sleep() and wake_up().")
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.scheduler.has_unfinished_requests():
+            raise RuntimeError("sleep needs an idle engine: requests are still running (let "
+                               "them finish or abort them first)")
+        if not self.scheduler.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset before sleeping")
+        self.executor.collective_rpc("sleep", (level,))
+        self.sleep_level = max(self.sleep_level, level)
+
+    def wake_up(self) -> None:
+        """Bring back what sleep() freed (level 2: the weights from the model's checkpoint)."""
+        if not self.config.enable_sleep_mode:
+            raise RuntimeError("Sleep mode is off: start the engine with enable_sleep_mode=True "
+                               "(--enable-sleep-mode) to use sleep() and wake_up().")
+        if self.sleep_level:
+            self.executor.collective_rpc("wake_up")
+            self.sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -36,10 +36,12 @@ from pagellm.request import FinishReason, Request, RequestStatus
 logger = logging.getLogger("pagellm")
 
 _PARENT_CHECK_MS = 1000  # how often an idle engine checks that its parent is still alive
-_UTILITIES = ("reset_prefix_cache", "update_weights_from_disk")
+_UTILITIES = ("reset_prefix_cache", "update_weights_from_disk", "sleep", "wake_up",
+              "is_sleeping")
 # Utilities that run only once the running requests have drained: meanwhile new requests are
 # held back (admitted right after), so in-flight ones finish on the weights they started with.
-_AFTER_DRAIN = ("update_weights_from_disk",)
+# wake_up too, so it never overtakes a sleep still waiting for the drain.
+_AFTER_DRAIN = ("update_weights_from_disk", "sleep", "wake_up")
 
 
 @dataclass(slots=True)

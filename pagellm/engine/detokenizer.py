@@ -205,3 +205,24 @@ class IncrementalDetokenizer:
             return ""
         self._sent_len = end
         return self._text[start:end]
+
+
+class TokenIdsOnly:
+    """``IncrementalDetokenizer``'s interface for ``SamplingParams(detokenize=False)``: keeps
+    the token ids, decodes nothing (RL rollouts that need only ids); text stays empty."""
+
+    stop_reason: str | None = None
+
+    def __init__(self) -> None:
+        self.output_token_ids: list[int] = []
+
+    @property
+    def output_text(self) -> str:
+        return ""
+
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        self.output_token_ids += new_token_ids
+        return None  # stop strings are refused with detokenize=False
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        return ""

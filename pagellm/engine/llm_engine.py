@@ -95,5 +95,14 @@ class LLMEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         return self.engine_core.load_weights(weights)
 
+    def sleep(self, level: int = 1) -> None:
+        self.engine_core.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine_core.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()

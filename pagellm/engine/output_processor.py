@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.core.sched_output import EngineCoreOutput, Logprobs
-from pagellm.engine.detokenizer import IncrementalDetokenizer, decode_token
+from pagellm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, decode_token
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.request import FinishReason
 from pagellm.sampling_params import SamplingParams
@@ -26,7 +26,7 @@ class OutputKind(enum.Enum):
 @dataclass
 class _Sample:
     index: int
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | TokenIdsOnly
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
@@ -87,11 +87,11 @@ class OutputProcessor:
                              f"samples, {(in_use or child_ids)[0]!r}, is in flight).")
         samples = {}
         for i, cid in enumerate(child_ids):
-            detok = IncrementalDetokenizer(
+            detok: IncrementalDetokenizer | TokenIdsOnly = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop_strs,
                 include_stop_str_in_output=params.include_stop_str_in_output,
-                min_tokens=params.min_tokens)
+                min_tokens=params.min_tokens) if params.detokenize else TokenIdsOnly()
             samples[cid] = _Sample(index=i, detok=detok,
                                    cumulative_logprob=0.0 if params.logprobs is not None else None,
                                    logprobs=[] if params.logprobs is not None else None)
@@ -189,14 +189,15 @@ class OutputProcessor:
     def _add_logprobs(self, sample: _Sample, records: list[Logprobs]) -> None:
         if sample.logprobs is None:
             return
+        # detokenize=False: no decoded_token either (None, as vLLM).
+        tok = None if isinstance(sample.detok, TokenIdsOnly) else self.tokenizer
         for rec in records:
             entry = {rec.sampled_token_id: Logprob(rec.sampled_logprob, rec.sampled_rank,
-                                                   decode_token(self.tokenizer,
-                                                                rec.sampled_token_id))}
+                                                   _decode(tok, rec.sampled_token_id))}
             for rank, (tid, lp) in enumerate(zip(rec.top_token_ids, rec.top_logprobs,
                                                  strict=True), start=1):
                 if tid not in entry:
-                    entry[tid] = Logprob(lp, rank, decode_token(self.tokenizer, tid))
+                    entry[tid] = Logprob(lp, rank, _decode(tok, tid))
             sample.logprobs.append(entry)
             assert sample.cumulative_logprob is not None
             sample.cumulative_logprob += rec.sampled_logprob
@@ -233,3 +234,7 @@ class OutputProcessor:
                              prompt_token_ids=state.prompt_token_ids, outputs=outputs,
                              finished=state.finished, num_cached_tokens=state.num_cached_tokens,
                              metrics=metrics)
+
+
+def _decode(tokenizer: Any, token_id: int) -> str | None:
+    return None if tokenizer is None else decode_token(tokenizer, token_id)

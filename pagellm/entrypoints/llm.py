@@ -60,6 +60,21 @@ class LLM:
         """
         return self.llm_engine.load_weights(weights)
 
+    def sleep(self, level: int = 1) -> None:
+        """Free memory between rollouts (needs ``enable_sleep_mode=True``). Level 1 frees the
+        KV cache; level 2 the weights too, and ``wake_up`` reloads them from the model's
+        checkpoint (weights given by ``load_weights`` are lost: load them again after waking).
+        The prefix cache is reset. Raises RuntimeError while requests are unfinished; generate
+        raises EngineSleepingError until ``wake_up``."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Reallocate what ``sleep`` freed; greedy outputs are then the same as before it."""
+        self.llm_engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Run ``method`` on every tensor-parallel rank; the results, one per rank in rank

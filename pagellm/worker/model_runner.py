@@ -49,7 +49,6 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
         from pagellm.attention import registry
         from pagellm.models.lazy_tensor import checkpoint_bytes_read
-        from pagellm.models.loader import build_model
 
         self.config = config
         self.device = config.device.device
@@ -70,14 +69,7 @@ class ModelRunner:
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         read_before = checkpoint_bytes_read()
         start = time.perf_counter()
-        self.model = build_model(config.model.hf_config, config.model.source, self.dtype,
-                                 self.device, config.model.load_format,
-                                 config.model.quantization, config.model.max_model_len)
-        self.model.eval()
-        # Before the fused CPU path, which asks the layers for their backend.
-        bind_attention_backends(self.model, self.attention_backend, self.device)
-        prepack_linears_for_cpu(self.model)
-        enable_fused_cpu_forward(self.model)
+        self.model = self.load_model()
         self.load_seconds = time.perf_counter() - start
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.checkpoint_bytes_read = checkpoint_bytes_read() - read_before
@@ -95,6 +87,22 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.graph_runner: GraphRunner | None = None  # decode CUDA graphs (initialize_kv_cache)
+        self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 KV cache and weights freed
+
+    def load_model(self) -> torch.nn.Module:
+        """The model from its checkpoint, in the layouts the kernels read (start-up and
+        ``wake_up`` after ``sleep(level=2)``)."""
+        from pagellm.models.loader import build_model
+
+        m = self.config.model
+        model = build_model(m.hf_config, m.source, self.dtype, self.device, m.load_format,
+                            m.quantization, m.max_model_len)
+        model.eval()
+        # Before the fused CPU path, which asks the layers for their backend.
+        bind_attention_backends(model, self.attention_backend, self.device)
+        prepack_linears_for_cpu(model)
+        enable_fused_cpu_forward(model)
+        return model
 
     # ---- KV cache -------------------------------------------------------------------------
     def initialize_kv_cache(self) -> int:
@@ -121,14 +129,30 @@ class ModelRunner:
         self.input_batch.set_null_block(plan.num_blocks)
         self.num_blocks = plan.num_blocks
         self.kv_plan = plan
-        # Captured after the KV cache exists: the graphs hold its addresses.
-        self.graph_runner = build_graph_runner(self.config, self.model, self.kv_caches,
-                                               self.num_blocks, graph_sizes,
-                                               reserve.reserved_bytes)
+        self._graph_plan = (graph_sizes, reserve.reserved_bytes)  # for wake_up's re-capture
+        self.capture_graphs()
         logger.info("Start-up phases: load %.2f s, memory profile %.2f s, KV allocation %.2f s, "
                     "CUDA graph capture %.2f s", self.load_seconds, profile_seconds, kv_seconds,
                     self.graph_runner.capture_seconds if self.graph_runner else 0.0)
         return plan.num_blocks
+
+    def capture_graphs(self) -> None:
+        """Capture the decode CUDA graphs (if on): after the KV cache exists, as the graphs
+        hold its addresses."""
+        sizes, reserved = self._graph_plan
+        self.graph_runner = build_graph_runner(self.config, self.model, self.kv_caches,
+                                               self.num_blocks, sizes, reserved)
+
+    def sleep(self, level: int) -> int:
+        """Free the KV cache (and at level 2 the weights); see worker/sleep.py."""
+        from pagellm.worker.sleep import sleep_runner
+
+        return sleep_runner(self, level)
+
+    def wake_up(self) -> int:
+        from pagellm.worker.sleep import wake_runner
+
+        return wake_runner(self)
 
     @torch.inference_mode()
     def _profile_peak_activation(self) -> int:

@@ -246,7 +246,32 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
         return {"success": True, "message": f"Loaded {n} tensors from {path}.",
                 "num_tensors": n}
 
+    if getattr(config, "enable_sleep_mode", False):  # test doubles' configs lack it
+        _add_sleep_routes(app, engine)
     return app
+
+
+def _add_sleep_routes(app: FastAPI, engine: AsyncLLM) -> None:
+    """vLLM's sleep-mode routes (--enable-sleep-mode only). A sleep waits for the running
+    requests to finish; from the moment it arrives until /wake_up returns, generation requests
+    get a 503 (code "engine_sleeping")."""
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1) -> dict:
+        if level not in (1, 2):
+            raise bad_request(f"level must be 1 (free the KV cache) or 2 (and the weights), "
+                              f"got {level}.", "level")
+        await engine.sleep(level)
+        return {"success": True, "level": level}
+
+    @app.post("/wake_up")
+    async def wake_up() -> dict:
+        await engine.wake_up()
+        return {"success": True}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict:
+        return {"is_sleeping": await engine.is_sleeping()}
 
 
 async def serve_http(app: FastAPI, engine: AsyncLLM, host: str, port: int,

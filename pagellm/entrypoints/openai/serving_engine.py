@@ -37,6 +37,7 @@ from pagellm.entrypoints.openai.serving_errors import (
     internal_error,
     model_not_found,
 )
+from pagellm.errors import EngineSleepingError
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -116,7 +117,7 @@ class OpenAIServing:
         request_id = random_id(self.request_id_prefix)
         try:
             return await self.handle(req, request_id)
-        except (OpenAIError, EngineDeadError, RequestFailedError):
+        except (OpenAIError, EngineDeadError, EngineSleepingError, RequestFailedError):
             raise
         except Exception as e:
             raise internal_error(e, request_id, type(self).__name__) from None
@@ -319,7 +320,8 @@ def sse(data: BaseModel | dict[str, Any] | str) -> str:
 
 def sse_error(exc: BaseException, request_id: str | None = None) -> str:
     """The error event of a stream whose headers are sent (then comes ``[DONE]``)."""
-    if not isinstance(exc, OpenAIError | RequestFailedError | EngineDeadError):
+    if not isinstance(exc, OpenAIError | RequestFailedError | EngineDeadError
+                      | EngineSleepingError):
         exc = internal_error(exc, request_id, "a stream")
     status, message, code = describe_error(exc)
     return sse(error_body(status, message, code=code))

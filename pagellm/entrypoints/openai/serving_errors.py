@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagellm.errors import EngineDeadError, RequestFailedError
+from pagellm.errors import EngineDeadError, EngineSleepingError, RequestFailedError
 
 logger = logging.getLogger("pagellm")
 
@@ -55,6 +55,8 @@ def describe_error(exc: BaseException) -> tuple[int, str, str | None]:
         return exc.status, exc.message, exc.code
     if isinstance(exc, RequestFailedError):
         return 500, str(exc), "internal_server_error"  # our own text, naming no cause
+    if isinstance(exc, EngineSleepingError):
+        return 503, str(exc), "engine_sleeping"  # our own text: call /wake_up
     if isinstance(exc, EngineDeadError):
         return 500, ("The engine is not running (it failed or was shut down); the cause is in "
                      "the server log."), "engine_dead"
@@ -108,6 +110,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(EngineDeadError)
+    @app.exception_handler(EngineSleepingError)
     @app.exception_handler(RequestFailedError)
     async def _engine(request: Request, exc: Exception) -> JSONResponse:
         # Already logged where it happened (the engine), with the cause.

@@ -1,0 +1,80 @@
+"""vLLM's sleep-mode routes on a real server over a tiny model: ``POST /sleep?level=N``,
+``POST /wake_up``, ``GET /is_sleeping``, behind the API key and only with --enable-sleep-mode;
+a generation request while asleep is a 503; after waking the tokens are those from before."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_utils import ServerProcess
+
+API_KEY = "sleep-key"
+PROMPT = [5, 17, 42, 99, 7, 64, 23, 11]
+
+
+def call(server, method, path, body=None, key=API_KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.request(method, f"{server.base_url}{path}", json=body, headers=headers,
+                         timeout=300)
+
+
+def complete(server) -> httpx.Response:
+    return call(server, "POST", "/v1/completions",
+                {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+
+
+def start(tmp_path_factory, model_dir, *extra: str) -> ServerProcess:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    return ServerProcess(["--model", str(model_dir), "--dtype", "float32",
+                          "--kv-cache-memory", "16MiB", "--max-model-len", "256",
+                          "--api-key", API_KEY, "--enable-prefix-caching", *extra], log)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_llama_dir):
+    srv = start(tmp_path_factory, tiny_llama_dir, "--enable-sleep-mode")
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake(server, level) -> None:
+    before = complete(server)
+    assert before.status_code == 200, before.text
+    assert call(server, "GET", "/is_sleeping").json() == {"is_sleeping": False}
+    r = call(server, "POST", f"/sleep?level={level}")
+    assert r.status_code == 200, r.text
+    assert call(server, "GET", "/is_sleeping").json() == {"is_sleeping": True}
+    asleep = complete(server)
+    assert asleep.status_code == 503, asleep.text
+    assert asleep.json()["error"]["code"] == "engine_sleeping"
+    assert "wake_up" in asleep.json()["error"]["message"]
+    assert call(server, "POST", "/wake_up").status_code == 200
+    assert call(server, "GET", "/is_sleeping").json() == {"is_sleeping": False}
+    after = complete(server)
+    assert after.status_code == 200, after.text
+    assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+
+
+def test_bad_level_is_400(server) -> None:
+    r = call(server, "POST", "/sleep?level=3")
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "level"
+    assert call(server, "GET", "/is_sleeping").json() == {"is_sleeping": False}
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/sleep"), ("POST", "/wake_up"),
+                                         ("GET", "/is_sleeping")])
+def test_needs_the_api_key(server, method, path) -> None:
+    assert call(server, method, path, key=None).status_code == 401
+    assert call(server, "GET", "/is_sleeping").json() == {"is_sleeping": False}
+
+
+def test_no_routes_without_the_flag(tmp_path_factory, tiny_llama_dir) -> None:
+    srv = start(tmp_path_factory, tiny_llama_dir)
+    try:
+        for method, path in [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")]:
+            assert call(srv, method, path).status_code == 404
+        assert complete(srv).status_code == 200
+    finally:
+        srv.stop()
