@@ -38,3 +38,28 @@ def perturbed_model(src: Path, dst: Path, seed: int = 1) -> dict[str, torch.Tens
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, dst / f.name)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the checkpoint in ``path`` by their checkpoint names: what a trainer sends
+    for a MoE model (transformers 5's ``named_parameters()`` stack the experts, its checkpoints
+    keep one tensor per expert)."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(load_file(f))
+    return weights
+
+
+def write_checkpoint(src: Path, dst: Path, weights: dict[str, torch.Tensor]) -> Path:
+    """``src``'s config and tokenizer with ``weights`` as its single safetensors file."""
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy(f, dst / f.name)
+    save_file({n: t.contiguous() for n, t in weights.items()}, dst / "model.safetensors",
+              metadata={"format": "pt"})
+    return dst

@@ -40,30 +40,38 @@ class MoeWeightsMixin(LlamaForCausalLM):
             return ckpt_name
         return ckpt_name.replace(f".{self.moe_block_name}.", ".mlp.")
 
+    def moe_target(self, ckpt_name: str) -> tuple[str, tuple[int, str] | None]:
+        """Where a checkpoint tensor goes: ``(stacked parameter, (expert, shard))`` for an
+        expert's projection (``FusedMoE.weight_loader``'s shard id); else ``(module name, None)``,
+        the name Llama's loader maps further (fused qkv/gate_up). Used by ``load_weights`` and
+        by in-place updates (pagellm/worker/weight_update.py)."""
+        m = self._expert_pattern().match(ckpt_name)
+        if m is None:
+            return self._to_module_name(ckpt_name), None
+        shard = dict(zip(self.expert_proj_names, EXPERT_SHARDS, strict=True))[m.group(3)]
+        name = f"{m.group(1)}.mlp.experts.{'w2' if shard == 'w2' else 'w13'}_weight"
+        return name, (int(m.group(2)), shard)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
-        pattern = self._expert_pattern()
-        shard_of = dict(zip(self.expert_proj_names, EXPERT_SHARDS, strict=True))
         self._expert_shards = {}
 
         def others() -> Iterator[tuple[str, torch.Tensor]]:
             for ckpt_name, tensor in weights:
-                m = pattern.match(ckpt_name)
-                if m is None:
-                    yield self._to_module_name(ckpt_name), tensor
+                name, expert_shard = self.moe_target(ckpt_name)
+                if expert_shard is None:
+                    yield name, tensor
                     continue
-                prefix, expert, shard = m.group(1), int(m.group(2)), shard_of[m.group(3)]
-                name = f"{prefix}.mlp.experts.{'w2' if shard == 'w2' else 'w13'}_weight"
                 param = params.get(name)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no parameter of "
                                      f"{type(self).__name__}")
                 try:
-                    param.weight_loader(param, tensor, (expert, shard))  # type: ignore[attr-defined]
+                    param.weight_loader(param, tensor, expert_shard)  # type: ignore[attr-defined]
                 except (RuntimeError, ValueError) as e:
                     raise ValueError(f"cannot load checkpoint tensor {ckpt_name!r} of shape "
                                      f"{tuple(tensor.shape)}: {e}") from e
-                self._expert_shards.setdefault(name, set()).add((expert, shard))
+                self._expert_shards.setdefault(name, set()).add(expert_shard)
 
         return super().load_weights(others())
 

@@ -9,6 +9,10 @@ where a fused layer gets only some of its shards), loads the new tensors through
 what one quantized from them at start-up would. Each re-made parameter is copied back into the
 old one's storage on accelerators where the layout allows, so pointers held elsewhere (CUDA
 graphs) stay valid; on CPU the fused step's tables are rebuilt instead.
+
+Mixture-of-Experts weights (FusedMoE's stacked experts, the router) are plain float tensors no
+method re-lays out: each expert's tensor is copied into its slice in place, the names mapped by
+the model's own ``moe_target``.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.layers.fused_moe import FusedMoE
 from pagellm.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from pagellm.layers.quant_methods import QuantizedLinearMethod
 from pagellm.models.llama_cpu_fused import enable_fused_cpu_forward
+from pagellm.models.moe import MoeWeightsMixin
 
 
 def _unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -97,8 +103,15 @@ def _reuse_storage(layer: nn.Module, old: dict[str, nn.Parameter]) -> None:
         setattr(layer, name, prev)
 
 
-def _target(model: nn.Module, ckpt_name: str) -> tuple[str, int | str | None]:
+Shard = int | str | tuple[int, str] | None  # a weight_loader's shard id; (expert, w1|w3|w2)
+
+
+def _target(model: nn.Module, ckpt_name: str) -> tuple[str, Shard]:
     """(parameter name, shard id) for a checkpoint name, as the model's ``load_weights`` maps it."""
+    if isinstance(model, MoeWeightsMixin):  # experts; the MoE block's checkpoint name renamed
+        ckpt_name, expert_shard = model.moe_target(ckpt_name)
+        if expert_shard is not None:
+            return ckpt_name, expert_shard
     for part, fused, sid in getattr(model, "stacked_params_mapping", ()):
         if f".{part}." in ckpt_name:
             return ckpt_name.replace(f".{part}.", f".{fused}."), sid
@@ -108,12 +121,12 @@ def _target(model: nn.Module, ckpt_name: str) -> tuple[str, int | str | None]:
 @torch.no_grad()
 def update_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Load ``(hf_name, tensor)`` pairs (all of the model's tensors or some) into ``model``;
-    returns how many were loaded. Raises ValueError for a name with no parameter (checked
+    returns how many were loaded. Raises ValueError for a name with no parameter or expert (checked
     before anything changes) or a tensor of the wrong shape (those before it are loaded)."""
     tied = bool(getattr(model, "tie_word_embeddings", False))
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    todo: list[tuple[str, str, int | str | None, torch.Tensor]] = []
+    todo: list[tuple[str, str, Shard, torch.Tensor]] = []
     for ckpt_name, tensor in weights:
         if "rotary_emb.inv_freq" in ckpt_name or (ckpt_name == "lm_head.weight" and tied):
             continue
@@ -125,6 +138,12 @@ def update_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
         if name not in params and not quantized:
             raise ValueError(f"weight {ckpt_name!r} matches no parameter of "
                              f"{type(model).__name__}")
+        moe = modules.get(owner)
+        if isinstance(moe, FusedMoE) and isinstance(shard, tuple) \
+                and not 0 <= shard[0] < moe.num_experts:
+            # The loader would refuse it too, but only after the tensors before it changed.
+            raise ValueError(f"weight {ckpt_name!r} names expert {shard[0]}, but {owner} has "
+                             f"experts 0..{moe.num_experts - 1}")
         todo.append((ckpt_name, name, shard, tensor))
     layers = {name.rpartition(".")[0] for _, name, _, _ in todo}
     if tied and "model.embed_tokens.weight" in {n for _, n, _, _ in todo}:
@@ -132,11 +151,11 @@ def update_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     layers = {n for n in layers if isinstance(getattr(modules.get(n), "linear_method", None),
                                               LinearMethodBase)}
     # Weight shards each layer gets: all of a fused one's, or its only one (None).
-    got: dict[str, set[int | str | None]] = {}
+    got: dict[str, set[Shard]] = {}
     for _, name, shard, _ in todo:
         if name.endswith(".weight"):
             got.setdefault(name.rpartition(".")[0], set()).add(shard)
-    shards: dict[str, set[int | str | None]] = {}
+    shards: dict[str, set[Shard]] = {}
     for _, fused, sid in getattr(model, "stacked_params_mapping", ()):
         shards.setdefault(fused, set()).add(sid)
 
