@@ -50,18 +50,20 @@ FAKE_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 @contextlib.asynccontextmanager
 async def fake_server(tokenizer: Any = None, limits: Any = None, health_max_step_s: float = 0.0,
+                      app_kwargs: dict[str, Any] | None = None,
                       **config_kwargs: Any) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
     """The real app (build_app, its middleware and lifespan) over AsyncLLM and the fake core,
     served in this process through httpx's ASGI transport: (client, engine). Requests run as
-    tasks on this event loop, so a handler that blocks the loop blocks the test too."""
+    tasks on this event loop, so a handler that blocks the loop blocks the test too.
+    ``app_kwargs``: more build_app arguments (they may replace the chat template)."""
     from pagellm.engine.async_llm import AsyncLLM
     from pagellm.entrypoints.openai.api_server import build_app
 
     engine = AsyncLLM(make_config(**config_kwargs), core_factory=FakeEngineCore,
                       tokenizer=tokenizer or make_tokenizer(), eos_token_id=None,
                       log_stats=False)
-    app = build_app(engine, chat_template=FAKE_CHAT_TEMPLATE, limits=limits,
-                    health_max_step_s=health_max_step_s)
+    app = build_app(engine, **{"chat_template": FAKE_CHAT_TEMPLATE, "limits": limits,
+                               "health_max_step_s": health_max_step_s, **(app_kwargs or {})})
     # The unhandled-exception handler answers 500, then re-raises for the server's log.
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with app.router.lifespan_context(app):

@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from server_utils import TINY_ARGS, ServerProcess, metric, pid_alive, scrape, wait_until
 
 from pagellm.benchmarks.serve import benchmark, load_dataset
@@ -26,7 +27,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = ServerProcess([*TINY_ARGS, "--api-key", API_KEY, "--served-model-name", "smol",
                          "alias", "--enable-prefix-caching", "--max-num-seqs", "16",
-                         "--enable-prompt-tokens-details"], log)
+                         "--enable-prompt-tokens-details", "--enable-tokenizer-info-endpoint"], log)
     yield srv
     srv.stop()
 
@@ -190,6 +191,24 @@ def test_tokenize_detokenize_round_trip(server):
     back = post(server, "/detokenize", {"tokens": tok["tokens"]}).json()
     assert back["prompt"] == text
     assert post(server, "/detokenize", {"tokens": [10**9]}).status_code == 400
+
+
+def test_tokenizer_info_template_is_the_one_chats_use(server):
+    url = f"{server.base_url}/tokenizer_info"
+    assert httpx.get(url, timeout=30).status_code == 401
+    info = httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
+    assert info["eos_token"] == "<|im_end|>" and info["tokenizer_class"]
+    assert "/" not in info.get("name_or_path", "")
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name a colour."}]
+    # What lm-evaluation-harness does with it: render locally, then /tokenize the text.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    text = env.from_string(info["chat_template"]).render(
+        messages=messages, add_generation_prompt=True, bos_token=info["bos_token"],
+        eos_token=info["eos_token"])
+    local = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    served = post(server, "/tokenize", {"messages": messages}).json()
+    assert local["tokens"] == served["tokens"]
 
 
 def test_max_tokens_past_the_context(server, client):

@@ -34,6 +34,7 @@ from pagellm.entrypoints.openai.serving_errors import (
     error_body,
     install_error_handlers,
 )
+from pagellm.entrypoints.openai.serving_tokenization import tokenizer_info
 from pagellm.entrypoints.openai.tenancy import (
     OPEN_PATHS,
     PREFIX_CACHE_SCOPES,
@@ -106,11 +107,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
               chat_template: str | None = None, api_key: str | ApiKeys | None = None,
               limits: ServerLimits | None = None, prefix_cache_scope: str = "key",
               enable_prompt_tokens_details: bool = False,
-              health_max_step_s: float = 0.0) -> FastAPI:
+              health_max_step_s: float = 0.0,
+              enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     """``api_key``: one key or several (ApiKeys); with ``prefix_cache_scope`` "key" each key's
     tenant gets its own prefix-cache namespace (a request's cache_salt narrows it further).
     ``health_max_step_s`` (> 0): /health answers 503 once requests have waited this long for
-    an engine step (a wedged engine); ``pagellm serve`` sets it (--health-max-step-seconds)."""
+    an engine step (a wedged engine); ``pagellm serve`` sets it (--health-max-step-seconds).
+    ``enable_tokenizer_info_endpoint``: add GET /tokenizer_info (it shows the chat template)."""
     if prefix_cache_scope not in PREFIX_CACHE_SCOPES:
         raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, got "
                          f"{prefix_cache_scope!r}")
@@ -218,6 +221,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
             raise bad_request(f"Token id {bad[0]} is out of vocabulary (size {vocab}).",
                               "tokens")
         return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)).model_dump()
+
+    if enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> dict:
+            return tokenizer_info(engine.tokenizer, renderer.template())
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -45,6 +45,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (or inline template) overriding the "
                         "tokenizer's")
+    g.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="serve GET /tokenizer_info (vLLM's): the tokenizer's configuration and "
+                        "chat template, e.g. for lm-evaluation-harness (off: 404)")
     g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
                    default=False,
                    help="log every request's id, prompt, size and sampling params (without it, "
@@ -146,7 +150,8 @@ def run_serve(ns: argparse.Namespace) -> None:
         app = build_app(engine, names, chat_template, api_keys, server_limits,
                         prefix_cache_scope=ns.prefix_cache_scope,
                         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
-                        health_max_step_s=ns.health_max_step_seconds)
+                        health_max_step_s=ns.health_max_step_seconds,
+                        enable_tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint)
         if ns.host not in ("127.0.0.1", "localhost", "::1") and api_keys is None:
             logger.warning("Serving on %s without --api-key: anyone who can reach this port "
                            "can use the model.", ns.host)

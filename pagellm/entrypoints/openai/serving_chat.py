@@ -60,6 +60,15 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
 
+    def template(self) -> str | None:
+        """The template ``render`` applies: --chat-template, else the tokenizer's (its default
+        one when it has several); None when there is none."""
+        try:
+            return self.tokenizer.get_chat_template(self.chat_template)
+        except (AttributeError, ValueError):  # not a transformers tokenizer, or no template
+            fallback = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+            return fallback if isinstance(fallback, str) else None
+
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False) -> list[int]:
         conversation = []
