@@ -22,7 +22,8 @@ from pagellm.config import read_env
 
 logger = logging.getLogger("pagellm")
 
-_FORMAT_VERSION = "2"
+# "3": phi3 configs gained their longrope factors (older cached ones lack them).
+_FORMAT_VERSION = "3"
 
 
 def cache_root() -> str:
