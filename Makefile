@@ -21,7 +21,7 @@ test: install
 	$(BIN)/pytest -q tests
 
 lint:
-	$(BIN)/ruff check pagellm tests benchmarks scripts
+	$(BIN)/ruff check pagellm tests benchmarks scripts examples
 
 generate: install
 	$(BIN)/pagellm generate --chat "What is the capital of France?"
