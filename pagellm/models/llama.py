@@ -27,6 +27,20 @@ def get_head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def load_checkpoint_tensor(param: nn.Parameter, tensor: torch.Tensor, shard: Any,
+                           ckpt_name: str) -> None:
+    """``param.weight_loader(param, tensor[, shard])``; a failure names the checkpoint tensor.
+    Shared by the models' loaders and in-place updates (pagellm/worker/weight_update.py)."""
+    try:
+        if shard is None:
+            param.weight_loader(param, tensor)  # type: ignore[attr-defined]
+        else:
+            param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"cannot load checkpoint tensor {ckpt_name!r} of shape "
+                         f"{tuple(tensor.shape)}: {e}") from e
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str,
                  bias: bool = False) -> None:
@@ -186,6 +200,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def stacked_target(self, ckpt_name: str) -> tuple[str, int | str | None]:
+        """(parameter name, shard id) of a checkpoint tensor: a q/k/v or gate/up projection goes
+        to its fused parameter (``stacked_params_mapping``), anything else to its own name."""
+        for part, fused, sid in self.stacked_params_mapping:
+            if f".{part}." in ckpt_name:
+                return ckpt_name.replace(f".{part}.", f".{fused}."), sid
+        return ckpt_name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors by their Hugging Face names; returns the parameters filled.
 
@@ -200,23 +222,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if ckpt_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # some tied checkpoints store the copy anyway
-            name, shard_id = ckpt_name, None
-            for part, fused, sid in self.stacked_params_mapping:
-                if f".{part}." in ckpt_name:
-                    name, shard_id = ckpt_name.replace(f".{part}.", f".{fused}."), sid
-                    break
+            name, shard_id = self.stacked_target(ckpt_name)
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no parameter of "
                                  f"{type(self).__name__}")
-            try:
-                if shard_id is None:
-                    param.weight_loader(param, tensor)
-                else:
-                    param.weight_loader(param, tensor, shard_id)
-            except (RuntimeError, ValueError) as e:
-                raise ValueError(f"cannot load checkpoint tensor {ckpt_name!r} of shape "
-                                 f"{tuple(tensor.shape)}: {e}") from e
+            load_checkpoint_tensor(param, tensor, shard_id, ckpt_name)
             if shard_id is None:
                 loaded.add(name)
             else:

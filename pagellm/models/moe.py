@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pagellm.layers.fused_moe import EXPERT_SHARDS, FusedMoE
-from pagellm.models.llama import LlamaForCausalLM
+from pagellm.models.llama import LlamaForCausalLM, load_checkpoint_tensor
 
 
 class MoeWeightsMixin(LlamaForCausalLM):
@@ -66,11 +66,7 @@ class MoeWeightsMixin(LlamaForCausalLM):
                 if param is None:
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no parameter of "
                                      f"{type(self).__name__}")
-                try:
-                    param.weight_loader(param, tensor, expert_shard)  # type: ignore[attr-defined]
-                except (RuntimeError, ValueError) as e:
-                    raise ValueError(f"cannot load checkpoint tensor {ckpt_name!r} of shape "
-                                     f"{tuple(tensor.shape)}: {e}") from e
+                load_checkpoint_tensor(param, tensor, expert_shard, ckpt_name)
                 self._expert_shards.setdefault(name, set()).add(expert_shard)
 
         return super().load_weights(others())

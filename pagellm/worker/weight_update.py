@@ -26,6 +26,7 @@ from torch import nn
 from pagellm.layers.fused_moe import FusedMoE
 from pagellm.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from pagellm.layers.quant_methods import QuantizedLinearMethod
+from pagellm.models.llama import load_checkpoint_tensor
 from pagellm.models.llama_cpu_fused import enable_fused_cpu_forward
 from pagellm.models.moe import MoeWeightsMixin
 
@@ -112,10 +113,7 @@ def _target(model: nn.Module, ckpt_name: str) -> tuple[str, Shard]:
         ckpt_name, expert_shard = model.moe_target(ckpt_name)
         if expert_shard is not None:
             return ckpt_name, expert_shard
-    for part, fused, sid in getattr(model, "stacked_params_mapping", ()):
-        if f".{part}." in ckpt_name:
-            return ckpt_name.replace(f".{part}.", f".{fused}."), sid
-    return ckpt_name, None
+    return model.stacked_target(ckpt_name)
 
 
 @torch.no_grad()
@@ -166,15 +164,7 @@ def update_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     try:
         fresh = dict(model.named_parameters())
         for ckpt_name, name, shard, tensor in todo:
-            param = fresh[name]
-            try:
-                if shard is None:
-                    param.weight_loader(param, tensor)
-                else:
-                    param.weight_loader(param, tensor, shard)
-            except (RuntimeError, ValueError) as e:
-                raise ValueError(f"cannot load weight {ckpt_name!r} of shape "
-                                 f"{tuple(tensor.shape)}: {e}") from e
+            load_checkpoint_tensor(fresh[name], tensor, shard, ckpt_name)
     finally:
         # Even after an error: every layer back in its kernel's layout.
         for n, prev in old.items():
