@@ -1,7 +1,7 @@
 """Mixture-of-Experts families (Mixtral, Qwen3-MoE) against transformers on tiny checkpoints
-(4 experts, top-2, hidden 64, expert width 32): prompt logits and greedy tokens on both attention
-backends, the fused CPU step refusing MoE layers, Qwen3-MoE's dense layers and top-k choice,
-and the loader's checks on per-expert tensors."""
+(4 experts, top-2, hidden 64, expert width 32; both attention backends against transformers are
+in test_qwen3_phi3.py with the other new families): the fused CPU step refusing MoE layers,
+Qwen3-MoE's dense layers and top-k choice, and the loader's checks on per-expert tensors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from paged_harness import PagedHarness
+from hf_compare import PROMPT, check_against_hf, ours, reference
 from safetensors.torch import load_file, save_file
 
 from pagellm.attention import registry
@@ -19,69 +19,25 @@ from pagellm.layers.fused_moe import SparseMoeBlock
 from pagellm.layers.linear import prepack_linears_for_cpu
 from pagellm.models.llama import LlamaMLP
 from pagellm.models.llama_cpu_fused import LlamaCpuFused, enable_fused_cpu_forward
-from pagellm.models.loader import build_model, load_hf_config, resolve_model_source
 
-NUM_NEW = 8
-PROMPT = "The quick brown fox jumps over the lazy dog. Hello, world! How are you today?" * 2
 ARCHS = ["mixtral", "qwen3-moe"]
-
-
-def _ours(path) -> torch.nn.Module:
-    src = resolve_model_source(str(path))
-    return build_model(load_hf_config(src), src, torch.float32, torch.device("cpu"))
-
-
-def _reference(path):
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager", local_files_only=True).eval()
-    ref.generation_config.eos_token_id = None
-    return ref
-
-
-def _check(model, ref, ids: list[int]) -> None:
-    with torch.inference_mode():
-        expected_logits = ref(torch.tensor([ids])).logits[0].float()
-    out = ref.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, do_sample=False)
-    expected_tokens = out[0, len(ids):].tolist()
-    assert len(set(expected_tokens)) > 2
-    logits = PagedHarness(model, block_size=16).step([("a", ids)], all_logits=True)
-    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
-    assert PagedHarness(model, block_size=16).greedy("a", ids, NUM_NEW) == expected_tokens
-    assert PagedHarness(model, block_size=32, seed=1).greedy("a", ids, NUM_NEW,
-                                                            chunk=7) == expected_tokens
-
-
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_attention_backends_match_transformers(tiny_model_dir, tiny_tokenizer, arch, backend):
-    path = tiny_model_dir(arch)
-    registry.set_default_backend(backend)  # layers resolve it on their first step
-    try:
-        model = _ours(path)
-        _check(model, _reference(path), tiny_tokenizer(PROMPT).input_ids)
-        name = type(model.model.layers[0].self_attn.attn.get_backend(torch.device("cpu")))
-        assert name.__name__.lower().startswith(backend)
-    finally:
-        registry.set_default_backend("auto")
 
 
 def test_qwen3_moe_layer_kinds_and_routing(tiny_model_dir, make_tiny_model, tmp_path,
                                            tiny_tokenizer):
     """mlp_only_layers=[1]: layers 0 and 2 sparse, 1 dense; norm_topk_prob off in the tiny
     model, on here (a different output, still transformers')."""
-    model = _ours(tiny_model_dir("qwen3-moe"))
+    model = ours(tiny_model_dir("qwen3-moe"))
     kinds = [type(layer.mlp) for layer in model.model.layers]
     assert kinds == [SparseMoeBlock, LlamaMLP, SparseMoeBlock]
     assert model.model.layers[0].mlp.experts.renormalize is False
     path = make_tiny_model(tmp_path / "renorm", "qwen3-moe", norm_topk_prob=True,
                            mlp_only_layers=[], decoder_sparse_step=2)
-    model = _ours(path)
+    model = ours(path)
     kinds = [type(layer.mlp) for layer in model.model.layers]
     assert kinds == [LlamaMLP, SparseMoeBlock, LlamaMLP]
     assert model.model.layers[1].mlp.experts.renormalize is True
-    _check(model, _reference(path), tiny_tokenizer(PROMPT).input_ids)
+    check_against_hf(model, reference(path), tiny_tokenizer(PROMPT).input_ids)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -99,14 +55,14 @@ def test_fused_cpu_step_refuses_moe_layers(tiny_model_dir, tiny_tokenizer, monke
 
     monkeypatch.setattr(cpu_ops, "llama_forward", spy)
     path = tiny_model_dir(arch)
-    model = _ours(path)
+    model = ours(path)
     prepack_linears_for_cpu(model)
     assert LlamaCpuFused.build(model.model) is None
     assert enable_fused_cpu_forward(model) == 0 and model.model.cpu_fused is None
-    _check(model, _reference(path), tiny_tokenizer(PROMPT).input_ids)
+    check_against_hf(model, reference(path), tiny_tokenizer(PROMPT).input_ids)
     assert calls == 0
     if cpu_ops.linear_packed_supports(torch.empty(16, 32)):
-        llama = _ours(tiny_model_dir("llama"))
+        llama = ours(tiny_model_dir("llama"))
         prepack_linears_for_cpu(llama)
         assert enable_fused_cpu_forward(llama) == 1
 
@@ -131,7 +87,7 @@ def _copy_without(src: Path, dst: Path, drop: list[str]) -> Path:
 def test_missing_expert_tensor_is_named(tiny_model_dir, tmp_path, arch, drop):
     path = _copy_without(tiny_model_dir(arch), tmp_path / "ckpt", drop)
     with pytest.raises(ValueError, match="missing from the checkpoint") as e:
-        _ours(path)
+        ours(path)
     for name in drop:
         assert name in str(e.value)
 
@@ -143,4 +99,4 @@ def test_expert_of_the_wrong_shape_is_refused(tiny_model_dir, tmp_path):
     state[name] = state[name][:16]
     save_file(state, path / "model.safetensors")
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
-        _ours(path)
+        ours(path)

@@ -1,13 +1,15 @@
 """Qwen3 (per-head q/k RMSNorm) and Phi-3 (fused qkv/gate_up tensors, longrope) beyond the shared
-tiny-model tests: both attention backends against transformers, Qwen3 refused by the fused CPU
-step (its module path, with the CPU kernels, still matches transformers), longrope's cos/sin
-tables and its static short/long choice, partial rotary with tied embeddings (Phi-4-mini's
-layout), Qwen3 GGUF tensors, and the registry's error for other architectures."""
+tiny-model tests: both attention backends against transformers (the MoE families too), Qwen3
+refused by the fused CPU step (its module path, with the CPU kernels, still matches
+transformers), longrope's cos/sin tables and its static short/long choice, partial rotary with
+tied embeddings (Phi-4-mini's layout), Qwen3 GGUF tensors, and the registry's error for other
+architectures."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hf_compare import NUM_NEW, PROMPT, check_against_hf, hf_tokens_and_logits, ours, reference
 from paged_harness import PagedHarness
 
 from pagellm.attention import registry
@@ -16,54 +18,18 @@ from pagellm.kernels import cpu_ops
 from pagellm.layers.linear import prepack_linears_for_cpu
 from pagellm.layers.rotary import get_rope
 from pagellm.models.llama_cpu_fused import enable_fused_cpu_forward
-from pagellm.models.loader import build_model, load_hf_config, resolve_model_source
+from pagellm.models.loader import load_hf_config, resolve_model_source
 from pagellm.models.registry import get_model_cls, supported_architectures
-
-NUM_NEW = 8
-PROMPT = "The quick brown fox jumps over the lazy dog. Hello, world! How are you today?" * 2
-
-
-def _ours(path, max_model_len: int | None = None) -> torch.nn.Module:
-    src = resolve_model_source(str(path))
-    return build_model(load_hf_config(src), src, torch.float32, torch.device("cpu"),
-                       max_model_len=max_model_len)
-
-
-def _reference(path):
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager", local_files_only=True).eval()
-    ref.generation_config.eos_token_id = None
-    return ref
-
-
-def _hf(ref, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and its prompt logits."""
-    with torch.inference_mode():
-        logits = ref(torch.tensor([ids])).logits[0].float()
-    out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist(), logits
-
-
-def _check(model, ref, ids: list[int]) -> None:
-    expected_tokens, expected_logits = _hf(ref, ids, NUM_NEW)
-    assert len(set(expected_tokens)) > 2
-    logits = PagedHarness(model, block_size=16).step([("a", ids)], all_logits=True)
-    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
-    assert PagedHarness(model, block_size=16).greedy("a", ids, NUM_NEW) == expected_tokens
-    assert PagedHarness(model, block_size=32, seed=1).greedy("a", ids, NUM_NEW,
-                                                            chunk=7) == expected_tokens
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "mixtral", "qwen3-moe"])
 def test_attention_backends_match_transformers(tiny_model_dir, tiny_tokenizer, arch, backend):
     path = tiny_model_dir(arch)
     registry.set_default_backend(backend)  # layers resolve it on their first step
     try:
-        model = _ours(path)
-        _check(model, _reference(path), tiny_tokenizer(PROMPT).input_ids)
+        model = ours(path)
+        check_against_hf(model, reference(path), tiny_tokenizer(PROMPT).input_ids)
         name = type(model.model.layers[0].self_attn.attn.get_backend(torch.device("cpu")))
         assert name.__name__.lower().startswith(backend)
     finally:
@@ -85,22 +51,22 @@ def test_qwen3_skips_the_fused_cpu_step_and_matches_transformers(tiny_model_dir,
 
     monkeypatch.setattr(cpu_ops, "llama_forward", spy)
     path = tiny_model_dir("qwen3")
-    model = _ours(path)
+    model = ours(path)
     prepack_linears_for_cpu(model)
     assert enable_fused_cpu_forward(model) == 0 and model.model.cpu_fused is None
-    _check(model, _reference(path), tiny_tokenizer(PROMPT).input_ids)
+    check_against_hf(model, reference(path), tiny_tokenizer(PROMPT).input_ids)
     assert calls == 0
     # The same layout without the q/k norm (Qwen2 here) is one the fused step takes, where this
     # CPU has the packed float32 kernel: the refusal above is the attention's, not the dtype's.
     if cpu_ops.linear_packed_supports(torch.empty(16, 32)):
-        qwen2 = _ours(tiny_model_dir("qwen2"))
+        qwen2 = ours(tiny_model_dir("qwen2"))
         prepack_linears_for_cpu(qwen2)
         assert enable_fused_cpu_forward(qwen2) == 1
 
 
 def test_qwen3_head_norm_changes_the_output(tiny_model_dir, tiny_tokenizer):
     """Unit q/k norm weights change the logits (so the q/k norm is really applied)."""
-    model = _ours(tiny_model_dir("qwen3"))
+    model = ours(tiny_model_dir("qwen3"))
     x = torch.tensor(tiny_tokenizer(PROMPT).input_ids)
     with torch.inference_mode(), set_forward_context(None, []):
         a = model.compute_logits(model(x, torch.arange(len(x))))
@@ -153,8 +119,8 @@ def test_phi3_short_factors_within_the_original_context(tiny_model_dir, tiny_tok
     path = tiny_model_dir("phi3")
     ids = tiny_tokenizer("Paged attention stores keys and values.").input_ids
     assert len(ids) + NUM_NEW <= 32
-    short, long = _ours(path, max_model_len=32), _ours(path)
-    expected_tokens, expected_logits = _hf(_reference(path), ids, NUM_NEW)
+    short, long = ours(path, max_model_len=32), ours(path)
+    expected_tokens, expected_logits = hf_tokens_and_logits(reference(path), ids, NUM_NEW)
     logits = PagedHarness(short).step([("a", ids)], all_logits=True)
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
     assert PagedHarness(short).greedy("a", ids, NUM_NEW) == expected_tokens
@@ -172,9 +138,9 @@ def test_phi3_partial_rotary_and_tied_embeddings(tmp_path, make_tiny_model, tiny
                                "partial_rotary_factor": 0.5,
                                "short_factor": [1.0 + 0.1 * i for i in range(half)],
                                "long_factor": [1.0 + 1.5 * i for i in range(half)]})
-    model = _ours(path)
+    model = ours(path)
     assert model.model.layers[0].self_attn.rotary_emb.rotary_dim == 8
-    _check(model, _reference(path), tiny_tokenizer(PROMPT).input_ids)
+    check_against_hf(model, reference(path), tiny_tokenizer(PROMPT).input_ids)
 
 
 def test_phi3_loads_fused_checkpoint_tensors(tiny_model_dir):
@@ -233,7 +199,7 @@ def test_qwen3_gguf_tensors_load_like_the_safetensors(tmp_path, tiny_model_dir, 
     from_gguf.load_weights(gguf_weights_iterator(str(tmp_path / "q3.gguf"), config,
                                                  torch.float32))
     ids = tiny_tokenizer(PROMPT).input_ids
-    expected = PagedHarness(_ours(src)).step([("a", ids)], all_logits=True)
+    expected = PagedHarness(ours(src)).step([("a", ids)], all_logits=True)
     assert torch.equal(PagedHarness(from_gguf.eval()).step([("a", ids)], all_logits=True),
                        expected)
 
@@ -246,7 +212,7 @@ def test_engine_greedy_matches_transformers(tiny_model_dir, tiny_tokenizer, arch
 
     path = tiny_model_dir(arch)
     ids = tiny_tokenizer(PROMPT).input_ids
-    expected, _ = _hf(_reference(path), ids, NUM_NEW)
+    expected, _ = hf_tokens_and_logits(reference(path), ids, NUM_NEW)
     try:
         llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", max_model_len=128,
                   attention_backend="cpu")
