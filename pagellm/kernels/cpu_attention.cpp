@@ -26,6 +26,7 @@
 #include "cpu_attention_amx.h"
 #include "cpu_attention_vec.h"
 #include "cpu_common.h"
+#include "cpu_entry_points.h"
 
 namespace pagellm {
 namespace {

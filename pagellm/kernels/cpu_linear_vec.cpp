@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "cpu_common.h"
+#include "cpu_entry_points.h"
 
 namespace pagellm {
 namespace {

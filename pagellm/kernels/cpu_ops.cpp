@@ -8,6 +8,7 @@
 
 #include "cpu_amx.h"
 #include "cpu_common.h"
+#include "cpu_entry_points.h"
 
 namespace pagellm {
 namespace {

@@ -19,6 +19,7 @@
 
 #include "cpu_amx.h"
 #include "cpu_common.h"
+#include "cpu_entry_points.h"
 #include "cpu_prefill.h"
 
 namespace pagellm {
