@@ -2,9 +2,10 @@
 
     python scripts/gpu_check.py                    # every check
     python scripts/gpu_check.py --only sweep,paged # a subset: tests, sweep, paged, engine, bench,
-                                                   # throughput, ops
+                                                   # throughput, ops, moe
 
-1. tests  - tests/attention/test_triton_backend.py compiled for real (no interpreter); needs pytest.
+1. tests  - tests/attention/test_triton_backend.py and tests/layers/test_triton_moe.py compiled
+            for real (no interpreter); needs pytest.
 2. sweep  - realistic shapes (Hq 32 / Hkv 8 / D 128, contexts to 2k, mixed batches, bf16/fp16/
             fp32, key segments) against dense float64 attention.
 3. paged  - a tiny random Llama from transformers whose attention is routed through the backend
@@ -23,7 +24,10 @@
 7. ops    - the Triton RMSNorm(+residual) / rotary / SiLU-and-mul kernels against the layers'
             torch paths (bf16/fp16: <= 2 ulp, rotary 1, on at most 2% of elements), that the
             layers dispatch to them, and their time next to the torch ops at 64 tokens.
-Needs torch, triton, transformers. Exit status 1 when any check fails. Budget: about 8 minutes
+8. moe    - the grouped Triton MoE GEMM at Mixtral-8x7B and Qwen3-30B-A3B shapes against the
+            torch grouped path (bf16 error vs float32 within twice the torch path's), inside a
+            CUDA graph, int8/int4 experts dequantized in the kernel, and times at 1/64/2048 tokens.
+Needs torch, triton, transformers. Exit status 1 when any check fails. Budget: about 10 minutes
 on one H100/H200 (throughput: 4 engine processes, each capped at THROUGHPUT_TIMEOUT_S).
 """
 
@@ -47,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 import gpu_check_ops  # noqa: E402  (a sibling: python puts scripts/ on the path)
 import gpu_check_throughput  # noqa: E402
-from gpu_check_ops import check_ops  # noqa: E402
+from gpu_check_ops import check_moe, check_ops  # noqa: E402
 from gpu_check_throughput import (  # noqa: E402
     check_throughput,
     save_word_tokenizer,
@@ -117,7 +121,8 @@ def make_batch(seqs, block_size, hq, hkv, d, dtype, seed=0):
 
 def check_tests() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "tests/attention/test_triton_backend.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "tests/attention/test_triton_backend.py",
+           "tests/layers/test_triton_moe.py"]
     if subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0:
         raise AssertionError("kernel tests failed (is pytest installed?)")
 
@@ -306,7 +311,7 @@ def check_bench() -> None:
 
 CHECKS = {"tests": check_tests, "sweep": check_sweep, "paged": check_paged,
           "engine": check_engine, "bench": check_bench, "throughput": check_throughput,
-          "ops": check_ops}
+          "ops": check_ops, "moe": check_moe}
 
 
 def main() -> int:

@@ -108,3 +108,106 @@ def check_ops() -> None:
         for name, fused, native in cases:
             print(f"  time {name:13s} triton {_ops_time(fused):6.1f} us | "
                   f"torch {_ops_time(native):6.1f} us", flush=True)
+
+
+def _moe_layer(num_experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
+               seed: int):
+    from pagellm.layers.fused_moe import FusedMoE
+
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    moe = FusedMoE(num_experts, top_k, hidden, inter, renormalize=True).to(DEV)
+    for w in (moe.w13_weight, moe.w2_weight):  # std 1/sqrt(fan-in): activations stay O(1)
+        w.data.copy_(torch.randn(w.shape, generator=g, device=DEV) / w.shape[-1] ** 0.5)
+    return moe.to(dtype)
+
+
+def check_moe() -> None:
+    """The grouped Triton MoE GEMM (pagellm/layers/triton_moe.py) at real shapes against the
+    torch grouped path: float experts (the layer's CUDA path, also inside a CUDA graph) and int8
+    / int4 experts dequantized in the kernel vs the "torch" backend on the same codes. bf16 is
+    judged against a float32 computation on the same weights: the kernel's error must stay
+    within twice the torch bf16 path's. Then times at 1 / 64 / 2048 tokens."""
+    from pagellm.layers import triton_moe
+    from pagellm.layers.fused_moe import route
+    from pagellm.layers.quantization import parse_quantization
+
+    cuda = DEV == "cuda"
+    # (name, experts, top-k, hidden, expert width): Mixtral-8x7B, Qwen3-30B-A3B (one rank)
+    shapes = (("mixtral", 8, 2, 4096, 14336), ("qwen3-30b-a3b", 128, 8, 2048, 768))
+    if not cuda:  # the interpreter: tiny shapes, a smoke run of this check
+        shapes = (("tiny", 6, 2, 64, 32),)
+    token_counts = (1, 64, 2048) if cuda else (5,)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    for name, e, k, h, i in shapes:
+        moe = _moe_layer(e, k, h, i, torch.bfloat16, seed=0)
+        ref32 = _moe_layer(e, k, h, i, torch.float32, seed=0)
+        ref32.load_state_dict({n: p.float() for n, p in moe.state_dict().items()})
+        g = torch.Generator(device=DEV).manual_seed(1)
+        for t in token_counts:
+            x = torch.randn(t, h, generator=g, device=DEV)
+            logits = torch.randn(t, e, generator=g, device=DEV).bfloat16()
+            weights, ids = route(logits, k, True, torch.bfloat16)
+            xb = x.bfloat16()
+            out = triton_moe.fused_experts(xb, triton_moe.ExpertWeight(moe.w13_weight),
+                                           triton_moe.ExpertWeight(moe.w2_weight), weights, ids)
+            torch_bf16 = moe._forward_grouped(xb, weights, ids)
+            exact = ref32._forward_grouped(xb.float(), weights.float(), ids)
+            err, base = rel(out, exact), rel(torch_bf16, exact)
+            ok = err <= 2 * base + 1e-3 and not out.isnan().any()
+            print(f"  moe {name} T={t} bf16: triton rel_err={err:.2e} torch rel_err={base:.2e} "
+                  f"{'ok' if ok else 'FAIL'}", flush=True)
+            assert ok, f"moe {name} T={t}"
+            if cuda:
+                assert torch.equal(moe(xb, logits), out), "FusedMoE took another path"
+        if cuda:  # the layer inside a CUDA graph: no host-side counts, same result
+            x = torch.randn(64, h, generator=g, device=DEV).bfloat16()
+            logits = torch.randn(64, e, generator=g, device=DEV).bfloat16()
+            eager = moe(x, logits)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                moe(x, logits)  # warm up (compiles) outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = moe(x, logits)
+            graph.replay()
+            torch.cuda.synchronize()
+            ok = torch.equal(captured, eager)
+            print(f"  moe {name} CUDA graph replay == eager: {'ok' if ok else 'FAIL'}")
+            assert ok, f"moe {name} CUDA graph"
+        for spec in ("int8", "int4"):
+            layers = {}
+            for backend in ("triton", "torch"):
+                layer = _moe_layer(e, k, h, i, torch.bfloat16, seed=0)
+                layer.quantize_(parse_quantization(spec), backend)
+                layers[backend] = layer
+            x = torch.randn(token_counts[-1], h, generator=g, device=DEV).bfloat16()
+            logits = torch.randn(token_counts[-1], e, generator=g, device=DEV).bfloat16()
+            err = rel(layers["triton"](x, logits), layers["torch"](x, logits))
+            ok = err < 2e-2
+            print(f"  moe {name} {spec} triton vs torch dequant: rel_err={err:.2e} "
+                  f"{'ok' if ok else 'FAIL'}", flush=True)
+            assert ok, f"moe {name} {spec}"
+        if cuda:
+            _moe_times(name, moe, layers["triton"], token_counts, g)
+        del layers, moe, ref32
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def _moe_times(name: str, moe, int4_moe, token_counts: tuple[int, ...], g) -> None:
+    from pagellm.layers.fused_moe import route
+
+    for t in token_counts:
+        x = torch.randn(t, moe.hidden_size, generator=g, device=DEV).bfloat16()
+        logits = torch.randn(t, moe.num_experts, generator=g, device=DEV).bfloat16()
+        weights, ids = route(logits, moe.top_k, True, torch.bfloat16)
+        fused = _ops_time(lambda: moe(x, logits))  # noqa: B023
+        grouped = _ops_time(lambda: moe._forward_grouped(x, weights, ids))  # noqa: B023
+        int4 = _ops_time(lambda: int4_moe(x, logits))  # noqa: B023
+        print(f"  time moe {name} T={t:5d}: triton {fused:8.1f} us | torch grouped "
+              f"{grouped:8.1f} us | triton int4 {int4:8.1f} us", flush=True)

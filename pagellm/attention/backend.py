@@ -51,6 +51,16 @@ class AttentionMetadata:
     # What a backend derives once per step for all layers (the CPU backend's plan): kept on the
     # step's metadata, so it dies with the step and is never shared between engines.
     step_plan: Any = None
+    # Models whose layers keep KV in several groups (full and sliding-window attention, see
+    # core/kv_cache_groups.py): one metadata per group, this one being group 0's; each holds its
+    # group's slot_mapping and block_tables. None: one group.
+    group_metadata: list[AttentionMetadata] | None = None
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV cache group ``group`` (self for group 0 or a one-group model)."""
+        if group == 0 or self.group_metadata is None:
+            return self
+        return self.group_metadata[group]
 
 
 class AttentionBackend(abc.ABC):
@@ -73,11 +83,21 @@ class AttentionBackend(abc.ABC):
         False and saves the memset (~47 MB per 2,048-token prefill step for the default model)."""
         return True
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+        """``sliding_window`` W: a query at position p sees keys in (p - W, p] (Hugging Face's
+        convention); None: every earlier key. ``logits_soft_cap`` c: scores become
+        ``c * tanh(score / c)`` after scaling (Gemma 2); None: no capping."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         # Its own until the model runner shares one among its model's layers.
         self.workspace: Workspace = {}
 

@@ -97,13 +97,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         n = meta.num_tokens
         if not cpu_ops.supports(query, key, value, k_cache, v_cache):
             return super().forward(query, key, value, k_cache, v_cache, meta)
+        # The decode kernel takes a window and a soft-cap; the prefill kernels take neither:
+        # such layers' prefill chunks take the torch path below (it reads only the window).
+        plain = self.sliding_window is None and self.logits_soft_cap is None
         cpu_ops.write_kv(key[:n], value[:n], k_cache, v_cache, meta.slot_mapping[:n])
         out = torch.empty((query.shape[0], self.num_heads, self.head_dim), dtype=query.dtype)
         plan = plan_step(meta)
         if plan.lens.numel():
             cpu_ops.paged_attention(out, query, k_cache, v_cache, plan.block_tables, plan.lens,
-                                    plan.bt_rows, plan.token_rows, self.scale)
-        if plan.prefill_seqs and cpu_ops.prefill_attention_supports(query, k_cache):
+                                    plan.bt_rows, plan.token_rows, self.scale,
+                                    self.sliding_window, self.logits_soft_cap)
+        if plain and plan.prefill_seqs and cpu_ops.prefill_attention_supports(query, k_cache):
             cpu_ops.prefill_attention(out, query, k_cache, v_cache, plan.block_tables,
                                       plan.prefill_rows, plan.prefill_lens, plan.prefill_ctx,
                                       plan.prefill_bt_rows, self.scale)
@@ -114,7 +118,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             if meta.seq_lens_cpu[i] == end - start:
                 # No cached context: the chunk's own K/V are all it attends to.
                 out[start:end] = causal_attention(query[start:end], key[start:end],
-                                                  value[start:end], self.scale)
+                                                  value[start:end], self.scale,
+                                                  self.sliding_window, self.logits_soft_cap)
             else:
                 out[start:end] = self._prefill(query[start:end], k_cache, v_cache,
                                                meta.block_tables[i], meta.seq_lens_cpu[i])

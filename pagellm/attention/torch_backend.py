@@ -23,11 +23,52 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     )
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         soft_cap: float, mask: torch.Tensor | None = None,
+                         is_causal: bool = False) -> torch.Tensor:
+    """Attention on ``[B, H, L, D]`` tensors with scores capped to ``soft_cap * tanh(s /
+    soft_cap)`` (SDPA has no capping); fp32 scores and softmax, as transformers' eager path."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           mask: torch.Tensor | None = None, is_causal: bool = False,
+           soft_cap: float | None = None) -> torch.Tensor:
+    """SDPA, or the soft-capped path when ``soft_cap`` is set; ``[B, H, L, D]`` tensors."""
+    if soft_cap is None:
+        return _sdpa(q, k, v, scale, mask, is_causal)
+    return softcapped_attention(q, k, v, scale, soft_cap, mask, is_causal)
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor,
+                sliding_window: int | None) -> torch.Tensor:
+    """``[Lq, Lk]`` bool: key position k_pos[j] is visible to query position q_pos[i], causally
+    and, with a window W, only when ``k > q - W`` (transformers' sliding_window_overlay)."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return mask
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     sliding_window: int | None = None,
+                     soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of ``q [T, H, D]`` over ``k/v [T, Hkv, D]`` as one sequence, no cache."""
-    out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                scale, is_causal=True)
+    mask = None
+    if sliding_window is not None and sliding_window < q.shape[0]:
+        pos = torch.arange(q.shape[0], device=q.device)
+        mask = window_mask(pos, pos, sliding_window)
+    out = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                 scale, mask=mask, is_causal=mask is None, soft_cap=soft_cap)
     return out[0].transpose(0, 1)
 
 
@@ -114,6 +155,7 @@ class TorchAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata, seqs: list[int], out: torch.Tensor) -> None:
         device = query.device
         block_size = k_cache.shape[1]
+        window = self.sliding_window
         max_len = max(meta.seq_lens_cpu[i] for i in seqs)
         num_blocks = -(-max_len // block_size)
         if len(seqs) == meta.num_seqs:
@@ -125,8 +167,25 @@ class TorchAttentionBackend(AttentionBackend):
             token_idx = torch.tensor([meta.query_start_loc_cpu[i] for i in seqs], device=device)
             block_tables = meta.block_tables[seq_idx, :num_blocks]
             seq_lens = meta.seq_lens[seq_idx]
+        seq_lens = seq_lens.long()
+        first_pos = None  # position of each row's first gathered key (0 without a window)
+        if window is not None and max_len > window:
+            # Gather only the blocks that hold the window: those before it may have been freed
+            # (core/kv_cache_groups.py) and now belong to another request.
+            first_block = (seq_lens - window).clamp(min=0) // block_size
+            span = max(((n - 1) // block_size - max(n - window, 0) // block_size + 1)
+                       for n in (meta.seq_lens_cpu[i] for i in seqs))
+            cols = (first_block[:, None] + torch.arange(span, device=device)[None, :]).clamp(
+                max=block_tables.shape[1] - 1)
+            block_tables = torch.gather(block_tables, 1, cols)
+            first_pos = first_block * block_size
         k, v = self._gather(k_cache, v_cache, block_tables)  # [B, Lmax, Hkv, D]
-        valid = torch.arange(k.shape[1], device=device)[None, :] < seq_lens[:, None].long()
+        key_pos = torch.arange(k.shape[1], device=device)[None, :]
+        if first_pos is not None:
+            key_pos = key_pos + first_pos[:, None]
+        valid = key_pos < seq_lens[:, None]
+        if window is not None:
+            valid &= key_pos >= seq_lens[:, None] - window
         if not meta.padding_is_zero:
             # NOTE: padding slots may hold anything (NaN included): zero them by selection so a
             # masked position contributes exactly 0, then mask them out of the softmax.
@@ -134,8 +193,8 @@ class TorchAttentionBackend(AttentionBackend):
             k.masked_fill_(invalid, 0)
             v.masked_fill_(invalid, 0)
         q = query[: meta.num_tokens] if token_idx is None else query[token_idx]
-        o = _sdpa(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), self.scale,
-                  mask=valid[:, None, None, :])
+        o = attend(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), self.scale,
+                   mask=valid[:, None, None, :], soft_cap=self.logits_soft_cap)
         o = o[:, :, 0, :]
         if token_idx is None:
             out[: meta.num_tokens] = o
@@ -147,18 +206,26 @@ class TorchAttentionBackend(AttentionBackend):
         block_size = k_cache.shape[1]
         query_len = query.shape[0]
         context_len = seq_len - query_len
-        blocks = block_table[None, : -(-seq_len // block_size)]
+        window = self.sliding_window
+        # With a window, the first key any row of the chunk sees (earlier blocks may be freed).
+        first_block = 0
+        if window is not None:
+            first_block = max(context_len - window + 1, 0) // block_size
+        blocks = block_table[None, first_block: -(-seq_len // block_size)]
+        first_pos = first_block * block_size
         k, v = self._gather(k_cache, v_cache, blocks)
-        k = k[0, :seq_len].transpose(0, 1)[None]  # [1, Hkv, S, D]
-        v = v[0, :seq_len].transpose(0, 1)[None]
+        k = k[0, : seq_len - first_pos].transpose(0, 1)[None]  # [1, Hkv, S, D]
+        v = v[0, : seq_len - first_pos].transpose(0, 1)[None]
         q = query.transpose(0, 1)[None]
-        if context_len == 0:
-            o = _sdpa(q, k, v, self.scale, is_causal=True)
+        soft_cap = self.logits_soft_cap
+        if context_len == 0 and (window is None or window >= seq_len):
+            o = attend(q, k, v, self.scale, is_causal=True, soft_cap=soft_cap)
         else:
             device = query.device
             q_pos = torch.arange(context_len, seq_len, device=device)
-            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-            o = _sdpa(q, k, v, self.scale, mask=mask)
+            k_pos = torch.arange(first_pos, seq_len, device=device)
+            o = attend(q, k, v, self.scale, mask=window_mask(q_pos, k_pos, window),
+                       soft_cap=soft_cap)
         return o[0].transpose(0, 1)
 
 

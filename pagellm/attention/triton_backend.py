@@ -57,8 +57,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
-        super().__init__(num_heads, head_dim, num_kv_heads, scale)
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+        super().__init__(num_heads, head_dim, num_kv_heads, scale, sliding_window,
+                         logits_soft_cap)
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
@@ -107,5 +109,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.scale,
             num_segments=segments,
             tile_size=_TILE,
+            sliding_window=self.sliding_window,
+            soft_cap=self.logits_soft_cap,
         )
         return out.view(shape)

@@ -81,7 +81,7 @@ def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     segm_out_ptr, segm_max_ptr, segm_sum_ptr,
-    qk_scale, num_seqs,
+    qk_scale, num_seqs, sliding_window, soft_cap,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kc_blk, stride_kc_off, stride_kc_head,
     stride_vc_blk, stride_vc_off, stride_vc_head,
@@ -89,7 +89,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_PAD: tl.constexpr, TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
 ):  # fmt: skip
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,11 +120,17 @@ def _paged_attention_kernel(
     # Keys past the last row's causal limit are never needed by this block.
     kv_end = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
     num_tiles = tl.cdiv(kv_end, TILE)
-    tile_lo = 0
+    # With a window, keys before the first row's window are never needed (and their blocks may
+    # have been freed): the walk starts at the tile holding the first visible key.
+    kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(context_len + q_block * BLOCK_Q - sliding_window + 1, 0)
+    first_tile = kv_start // TILE
+    tile_lo = first_tile
     tile_hi = num_tiles
     if NUM_SEGMENTS > 1:
-        per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-        tile_lo = segment * per_segment
+        per_segment = tl.cdiv(num_tiles - first_tile, NUM_SEGMENTS)
+        tile_lo = first_tile + segment * per_segment
         tile_hi = tl.minimum(tile_lo + per_segment, num_tiles)
 
     q_abs = context_len + q_pos  # absolute position of each row's token
@@ -134,7 +140,8 @@ def _paged_attention_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     for j in range(tile_lo, tile_hi):
         k_pos = j * TILE + tl.arange(0, TILE)
-        k_ok = k_pos < seq_len
+        # Keys below kv_start are masked out of the loads too: their blocks may be freed.
+        k_ok = (k_pos < seq_len) & (k_pos >= kv_start)
         blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         off = k_pos % BLOCK_SIZE
         k_base = blk * stride_kc_blk + off * stride_kc_off + kv_head * stride_kc_head
@@ -146,7 +153,14 @@ def _paged_attention_kernel(
             other=0.0,
         )
         s = _dot(q, k, UPCAST_DOT) * qk_scale  # log2 units
+        if HAS_SOFT_CAP:
+            # cap * tanh(x / cap) on the natural-units score x = s / log2(e), tanh written as
+            # 1 - 2 / (exp(2y) + 1): finite at both ends.
+            y = s / (soft_cap * 1.4426950408889634)
+            s = (soft_cap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
         ok = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_abs[:, None])
+        if HAS_WINDOW:
+            ok = ok & (k_pos[None, :] > q_abs[:, None] - sliding_window)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay finite
@@ -249,8 +263,14 @@ def paged_attention(
     num_segments: int = 1,
     block_m: int | None = None,
     tile_size: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query [T, Hq, D]`` over the paged cache, written into ``out``.
+
+    ``sliding_window`` W: a row at position p sees keys in (p - W, p] and never reads blocks
+    below its window; ``soft_cap`` c: scores become ``c * tanh(score / c)`` (see
+    AttentionBackend).
 
     ``num_segments`` (a power of 2) > 1 splits every sequence's keys into that many parts merged
     afterwards; it is meant for decode steps with too few (sequence, kv head) pairs to fill the
@@ -284,7 +304,7 @@ def paged_attention(
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         segm_out, segm_max, segm_sum,
-        scale * _LOG2E, num_seqs,
+        scale * _LOG2E, num_seqs, sliding_window or 0, soft_cap or 1.0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -292,6 +312,7 @@ def paged_attention(
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], GROUP=group, BLOCK_Q=block_q,
         BLOCK_M=block_m, HEAD_PAD=head_pad, TILE=tile,
         NUM_SEGMENTS=num_segments, UPCAST_DOT=_interpreting(),
+        HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=soft_cap is not None,
     )  # fmt: skip
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](

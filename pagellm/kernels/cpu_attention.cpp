@@ -19,6 +19,7 @@
 // index safely before any division by a size.
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <vector>
 
@@ -91,17 +92,24 @@ struct DecodePlan {
   using T = typename C::T;
   int64_t H, Hkv, G, D, row, block_size, block_elems, block_bytes;
   float scale;
+  // Sliding window W (0: none): the query at position L - 1 sees keys L - W .. L - 1.
+  // soft_cap c (0: none): scores become c * tanh(score / c). Either takes the vector path.
+  int64_t window;
+  float soft_cap;
   bool amx;
   AccumulateFn<T> accumulate;  // register-blocked float32 P.V, or null
   ScoresFn<C> block_scores;
   PairsFn pairs;  // bfloat16 P.V as token-pair dot products, or null
   BlockSlices slices;
 
-  DecodePlan(int64_t H_, int64_t Hkv_, int64_t D_, int64_t block_size_, float scale_)
+  DecodePlan(int64_t H_, int64_t Hkv_, int64_t D_, int64_t block_size_, float scale_,
+             int64_t window_ = 0, float soft_cap_ = 0.f)
       : H(H_), Hkv(Hkv_), G(H_ / Hkv_), D(D_), row(Hkv_ * D_), block_size(block_size_),
         block_elems(block_size_ * Hkv_ * D_),
         block_bytes(block_elems * static_cast<int64_t>(sizeof(T))), scale(scale_),
-        amx(use_amx<C>(H_, D_, block_size_)), accumulate(pick_accumulate<T>(G, D_)),
+        window(window_), soft_cap(soft_cap_),
+        amx(use_amx<C>(H_, D_, block_size_) && window_ == 0 && soft_cap_ == 0.f),
+        accumulate(pick_accumulate<T>(G, D_)),
         block_scores(pick_scores<C>(D_)), pairs(pick_pairs_for<T>(amx, G, D_)),
         slices(block_bytes, block_size_, H_, Hkv_) {}
 
@@ -128,12 +136,15 @@ struct DecodeScratch {
   int64_t pg = 0, pj = 1;
 };
 
-// One item's sequence: its block table row and how many cached tokens it attends to.
+// One item's sequence: its block table row and how many cached tokens it attends to. With a
+// window, bt starts at the block of the window's first key and L counts from that block's
+// start; its first `skip` tokens lie before the window (masked out of the softmax).
 template <typename T>
 struct DecodeItem {
   const T* q;
   const int32_t* bt;
   int64_t L, nblocks;
+  int64_t skip = 0;
 };
 
 template <typename C>
@@ -188,6 +199,14 @@ void scores_vec(const DecodePlan<C>& P, DecodeScratch& s, const DecodeItem<typen
                        P.D, P.scale);
       }
   }
+  if (P.soft_cap > 0.f)
+    for (int64_t h = 0; h < P.H; ++h) {
+      float* row_scores = s.scores.data() + h * it.L;
+      for (int64_t t = it.skip; t < it.L; ++t)
+        row_scores[t] = P.soft_cap * std::tanh(row_scores[t] / P.soft_cap);
+    }
+  for (int64_t h = 0; h < P.H; ++h)
+    std::fill_n(s.scores.data() + h * it.L, it.skip, -INFINITY);  // exp gives 0
   for (int64_t h = 0; h < P.H; ++h)
     s.inv[h] = softmax_unnormalized(s.scores.data() + h * it.L, it.L);
   s.pg = it.L;
@@ -269,9 +288,14 @@ int paged_attention(typename C::T* out, int64_t out_stride, const typename C::T*
         out_of_bounds = 1;
         continue;
       }
+      // A window drops the blocks before its first key: they may be freed (another
+      // request's now).
+      const int64_t start = P.window > 0 && L > P.window ? L - P.window : 0;
+      const int64_t first = start / P.block_size;
+      const int64_t Lw = L - first * P.block_size;
       const DecodeItem<T> it{q + token_rows[i] * q_stride,
-                             block_tables + item_bt_rows[i] * bt_stride, L,
-                             (L + P.block_size - 1) / P.block_size};
+                             block_tables + item_bt_rows[i] * bt_stride + first, Lw,
+                             (Lw + P.block_size - 1) / P.block_size, start - first * P.block_size};
       for (int64_t b = 0; b < std::min<int64_t>(PF, it.nblocks); ++b)
         prefetch_bytes(k_cache + it.bt[b] * P.block_elems, P.block_bytes);
       if (P.amx)
@@ -342,6 +366,37 @@ int pagellm_paged_attention(int dtype, void* out, int64_t out_stride, const void
       token_rows, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache),
       block_tables, bt_stride, item_lens, item_bt_rows, num_items,
       DecodePlan<BF16>(num_heads, num_kv_heads, head_dim, block_size, scale), *bounds);
+}
+
+// pagellm_paged_attention with a sliding window (0: none) and a logit soft-cap (0: none): the
+// vector path (AMX takes neither).
+int pagellm_paged_attention_windowed(int dtype, void* out, int64_t out_stride, const void* q,
+                                     int64_t q_stride, const int64_t* token_rows,
+                                     const void* k_cache, const void* v_cache,
+                                     const int32_t* block_tables, int64_t bt_stride,
+                                     const int32_t* item_lens, const int64_t* item_bt_rows,
+                                     int64_t num_items, int64_t num_heads, int64_t num_kv_heads,
+                                     int64_t head_dim, int64_t block_size, float scale,
+                                     int64_t sliding_window, float soft_cap,
+                                     const CacheBounds* bounds) {
+  if (!pagellm_paged_attention_supported(dtype, num_heads, num_kv_heads, head_dim, block_size) ||
+      sliding_window < 0 || soft_cap < 0.f)
+    return 0;
+  if (dtype == 0)
+    return paged_attention<F32>(
+        static_cast<float*>(out), out_stride, static_cast<const float*>(q), q_stride, token_rows,
+        static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), block_tables,
+        bt_stride, item_lens, item_bt_rows, num_items,
+        DecodePlan<F32>(num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
+                        soft_cap),
+        *bounds);
+  return paged_attention<BF16>(
+      static_cast<uint16_t*>(out), out_stride, static_cast<const uint16_t*>(q), q_stride,
+      token_rows, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache),
+      block_tables, bt_stride, item_lens, item_bt_rows, num_items,
+      DecodePlan<BF16>(num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
+                       soft_cap),
+      *bounds);
 }
 
 // The prefetch slicing a paged_attention call of this shape uses, for tests: out[0..5] =

@@ -28,6 +28,15 @@ int pagellm_paged_attention(int dtype, void* out, int64_t out_stride, const void
                             int64_t num_items, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, float scale,
                             const pagellm::CacheBounds* bounds);
+int pagellm_paged_attention_windowed(int dtype, void* out, int64_t out_stride, const void* q,
+                                     int64_t q_stride, const int64_t* token_rows,
+                                     const void* k_cache, const void* v_cache,
+                                     const int32_t* block_tables, int64_t bt_stride,
+                                     const int32_t* item_lens, const int64_t* item_bt_rows,
+                                     int64_t num_items, int64_t num_heads, int64_t num_kv_heads,
+                                     int64_t head_dim, int64_t block_size, float scale,
+                                     int64_t sliding_window, float soft_cap,
+                                     const pagellm::CacheBounds* bounds);
 void pagellm_silu_and_mul(int dtype, void* out, const void* x, int64_t rows, int64_t d);
 int pagellm_prefill_attention(int dtype, void* out, int64_t out_stride, const void* q,
                               int64_t q_stride, const void* k_cache, const void* v_cache,

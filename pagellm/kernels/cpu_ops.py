@@ -21,6 +21,10 @@ _SIGNATURES = {
     "pagellm_paged_attention": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p,
                                  c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_int64,
                                  c_int64, c_int64, c_int64, c_int64, c_float, c_void_p],
+    "pagellm_paged_attention_windowed": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p,
+                                          c_void_p, c_void_p, c_void_p, c_int64, c_void_p,
+                                          c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64,
+                                          c_float, c_int64, c_float, c_void_p],
     "pagellm_paged_attention_supported": [c_int, c_int64, c_int64, c_int64, c_int64],
     "pagellm_paged_attention_slices": [c_int, c_int64, c_int64, c_int64, c_int64, c_void_p],
     "pagellm_kernel_paths": [],
@@ -113,7 +117,8 @@ class ForwardStep(ctypes.Structure):
 _RETURNS_INT = ("pagellm_linear_available", "pagellm_linear", "pagellm_linear_packed",
                 "pagellm_linear_packed_available", "pagellm_llama_forward",
                 "pagellm_prefill_attention", "pagellm_prefill_attention_supported",
-                "pagellm_paged_attention", "pagellm_paged_attention_supported",
+                "pagellm_paged_attention", "pagellm_paged_attention_windowed",
+                "pagellm_paged_attention_supported",
                 "pagellm_paged_attention_slices", "pagellm_kernel_paths", "pagellm_write_kv")
 
 # The kernels' answer for an index outside the cache or the batch (kOutOfBounds).
@@ -412,12 +417,15 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
-                    bt_rows: torch.Tensor, token_rows: torch.Tensor, scale: float) -> None:
+                    bt_rows: torch.Tensor, token_rows: torch.Tensor, scale: float,
+                    sliding_window: int | None = None, soft_cap: float | None = None) -> None:
     """Attention of single query rows over cached K/V: item i is query row ``token_rows[i]``
     attending to the first ``lens[i]`` tokens of the sequence whose block table is row
     ``bt_rows[i]`` of ``block_tables``, K/V read in place; written into ``out`` at that row.
     A decode token is one item; each token of a prefill chunk is one too, its length its own
-    position + 1 (causal), once the chunk's K/V are written."""
+    position + 1 (causal), once the chunk's K/V are written. ``sliding_window`` W: only the
+    last W of those tokens, and no block before them is read; ``soft_cap`` c: scores become
+    ``c * tanh(score / c)`` (either takes the vector path, never AMX)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     what = "paged_attention"
     _check(query.stride(1) == head_dim and out.stride(1) == head_dim, what,
@@ -431,12 +439,15 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
            "lens, bt_rows and token_rows must be contiguous, of one shape")
     num_kv_heads, block_size = k_cache.shape[-2], k_cache.shape[1]
     bounds = _bounds(k_cache, v_cache, block_tables, min(query.shape[0], out.shape[0]))
-    rc = _library().pagellm_paged_attention(
-        _DTYPE_CODES[query.dtype], out.data_ptr(), out.stride(0), query.data_ptr(),
-        query.stride(0), token_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), bt_rows.data_ptr(),
-        lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale,
-        ctypes.byref(bounds))
+    args = (_DTYPE_CODES[query.dtype], out.data_ptr(), out.stride(0), query.data_ptr(),
+            query.stride(0), token_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), bt_rows.data_ptr(),
+            lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale)
+    if sliding_window is None and soft_cap is None:
+        rc = _library().pagellm_paged_attention(*args, ctypes.byref(bounds))
+    else:
+        rc = _library().pagellm_paged_attention_windowed(
+            *args, sliding_window or 0, soft_cap or 0.0, ctypes.byref(bounds))
     if rc == _OUT_OF_BOUNDS:
         raise _out_of_bounds(what, bounds)
     if rc != 1:

@@ -25,3 +25,11 @@ class SiluAndMul(nn.Module):
         """The torch path (the reference of both kernels)."""
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluTanhAndMul(nn.Module):
+    """``gelu_tanh(x[..., :d]) * x[..., d:]`` (GeGLU with the tanh approximation: Gemma)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]

@@ -17,7 +17,10 @@ from pagellm.forward_context import get_forward_context
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 layer_idx: int, backend_name: str | None = None) -> None:
+                 layer_idx: int, backend_name: str | None = None,
+                 sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
+        """``sliding_window``/``logits_soft_cap``: see AttentionBackend."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
@@ -28,13 +31,19 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
         self.backend_name = backend_name
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        # The KV cache group whose block tables this layer reads (core/kv_cache_groups.py): set
+        # by the model runner for models with several groups.
+        self.kv_cache_group = 0
         # Built on first use: the backend may depend on the device the activations live on.
         self._backend: AttentionBackend | None = None
 
     def get_backend(self, device: torch.device) -> AttentionBackend:
         if self._backend is None:
             cls = get_attn_backend_cls(self.backend_name, device)
-            self._backend = cls(self.num_heads, self.head_dim, self.num_kv_heads, self.scale)
+            self._backend = cls(self.num_heads, self.head_dim, self.num_kv_heads, self.scale,
+                                self.sliding_window, self.logits_soft_cap)
         return self._backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -46,8 +55,10 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         meta = ctx.attn_metadata
         if meta is None:
-            out = causal_attention(q, k, v, self.scale)
+            out = causal_attention(q, k, v, self.scale, self.sliding_window,
+                                   self.logits_soft_cap)
         else:
             k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-            out = self.get_backend(q.device).forward(q, k, v, k_cache, v_cache, meta)
+            out = self.get_backend(q.device).forward(q, k, v, k_cache, v_cache,
+                                                     meta.for_group(self.kv_cache_group))
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -11,12 +11,20 @@ one pair of matmuls per expert that got tokens, one ``index_add_`` back. Adding 
 outputs in ascending expert order per token is transformers' order, so float32 results agree
 to the bit on CPU.
 
-Every device runs this torch path; there is no Triton grouped GEMM yet. While a CUDA graph is
-being captured the per-expert token counts cannot be read on the host, so each expert then runs
-over every token, weighted by its routing weight (zero where it was not chosen).
+That torch path is the CPU path and the reference. On CUDA (with triton) the experts run as two
+grouped Triton GEMMs over all experts (triton_moe.py), which need no host-side counts, so CUDA
+graphs capture them too. Where neither applies while a CUDA graph is being captured (no triton),
+each expert runs over every token, weighted by its routing weight (zero where it was not chosen).
+
+``--quantization int8|int4`` quantizes the experts too (``quantize_``, moe_quant.py): per expert
+through the linear layers' quantized kernels on CPU, dequantized inside the grouped Triton kernel
+on CUDA. The router stays float.
 """
 
 from __future__ import annotations
+
+import functools
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +32,21 @@ from torch import nn
 
 from pagellm.distributed.communication import tensor_model_parallel_all_reduce
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
+from pagellm.layers.moe_quant import ExpertsQuantMethod, experts_group_size
+from pagellm.layers.quantization import QuantConfig, resolve_backend
 
 # Expert shard names: w1 = gate, w3 = up (both [I, H]), w2 = down ([H, I]), Mixtral's names.
 EXPERT_SHARDS = ("w1", "w3", "w2")
+
+
+@functools.cache
+def triton_moe() -> ModuleType | None:
+    """pagellm.layers.triton_moe, or None where triton is missing (imported on first use)."""
+    try:
+        from pagellm.layers import triton_moe as ops
+    except ImportError:
+        return None
+    return ops
 
 
 class MoeRouter(nn.Module):
@@ -84,6 +104,8 @@ class FusedMoE(nn.Module):
                                       requires_grad=False)
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant: ExpertsQuantMethod | None = None  # set by quantize_
+        self._loaded_experts: set[int] = set()  # experts loaded since the last quantization
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[int, str]) -> None:
@@ -104,15 +126,70 @@ class FusedMoE(nn.Module):
             param.data[expert].copy_(part)
         else:
             param.data[expert, (0 if which == "w1" else i):][:i].copy_(part)
+        self._loaded_experts.add(expert)
+
+    @torch.no_grad()
+    def quantize_(self, config: QuantConfig, backend: str = "auto") -> int | None:
+        """After loading: quantize every expert (this rank's shard). Returns the int4 group
+        size (0 for int8), or None when the experts stay float (no group divides both the
+        hidden size and this rank's expert width)."""
+        assert self.quant is None, "experts already quantized"
+        group = experts_group_size(config, self.hidden_size, self.inter_per_rank)
+        if group is None:
+            return None
+        backend = resolve_backend(backend, self.w13_weight.device)
+        self.quant = ExpertsQuantMethod(QuantConfig(config.method, group), backend, self)
+        self.quant.quantize_experts(self)
+        self._loaded_experts.clear()
+        return group
+
+    def to_float_layout(self) -> None:
+        """Quantized experts: float ``w13_weight``/``w2_weight`` again, for ``LLM.load_weights``
+        (``process_weights_after_loading`` re-quantizes the experts it loaded into)."""
+        if self.quant is not None and not hasattr(self, "w13_weight"):
+            self.quant.to_float_layout(self)
+            self._loaded_experts.clear()
+
+    def process_weights_after_loading(self) -> bool:
+        if self.quant is None or not hasattr(self, "w13_weight"):
+            return False
+        self.quant.quantize_experts(self, set(self._loaded_experts))
+        self._loaded_experts.clear()
+        return True
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        if self.quant is not None:
+            gate, up = self.quant.matmul(self, "w13", e, x).chunk(2, dim=-1)
+            return self.quant.matmul(self, "w2", e, F.silu(gate) * up)
         gate, up = F.linear(x, self.w13_weight[e]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.w2_weight[e])
+
+    def _triton_ops(self, x: torch.Tensor) -> ModuleType | None:
+        """triton_moe when this forward takes the grouped Triton kernels: CUDA activations with
+        float or "triton"-backend experts (that backend also runs on CPU under
+        TRITON_INTERPRET=1, the tests' way in)."""
+        backend = None if self.quant is None else self.quant.backend
+        if not (backend == "triton" or (x.is_cuda and backend is None)):
+            return None
+        ops = triton_moe()
+        return ops if ops is not None and ops.supports(x) else None
+
+    def _expert_weights(self, ops: ModuleType) -> tuple[object, object]:
+        if self.quant is None:
+            return ops.ExpertWeight(self.w13_weight), ops.ExpertWeight(self.w2_weight)
+        method, group = self.quant.config.method, self.quant.group_size
+        return tuple(ops.ExpertWeight(getattr(self, f"{s}_qweight"), method,
+                                      getattr(self, f"{s}_scales"),
+                                      getattr(self, f"{s}_mins", None), group)
+                     for s in ("w13", "w2"))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, ``router_logits [T, E]`` -> ``[T, H]`` (all-reduced over tp)."""
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        ops = self._triton_ops(x)
+        if ops is not None:
+            out = ops.fused_experts(x, *self._expert_weights(ops), weights, ids)
+        elif x.is_cuda and torch.cuda.is_current_stream_capturing():
             out = self._forward_dense(x, weights, ids)
         else:
             out = self._forward_grouped(x, weights, ids)

@@ -1,4 +1,5 @@
-"""Weight-only quantization of the linear layers: INT8 per output channel, INT4 per group.
+"""Weight-only quantization of the linear layers (and MoE experts, moe_quant.py): INT8 per output
+channel, INT4 per group.
 
 Formats (``W`` is a linear weight ``[N, K]``, output by input features):
 - int8: ``W[n, k] ~ q[n, k] * scale[n]``, ``q`` in [-127, 127] (symmetric, per output channel).
@@ -126,7 +127,8 @@ class QuantizableLayer(Protocol):
 class QuantReport:
     config: QuantConfig
     backend: str
-    num_quantized: int = 0
+    num_quantized: int = 0  # layers, MoE expert stacks included
+    num_moe: int = 0  # MoE layers whose experts were quantized
     skipped: list[str] = field(default_factory=list)  # layers left in float (no usable group)
     group_sizes: Counter = field(default_factory=Counter)  # int4: group -> number of layers
     bytes_before: int = 0
@@ -158,9 +160,10 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 @torch.no_grad()
 def quantize_model(model: nn.Module, spec: str | QuantConfig | None,
                    backend: str = "auto") -> QuantReport | None:
-    """Quantize every linear layer of a loaded ``model`` in place; None when ``spec`` is none.
+    """Quantize every linear layer and MoE expert stack (``FusedMoE.quantize_``) of a loaded
+    ``model`` in place; None when ``spec`` is none.
 
-    Embeddings, the LM head, norms and biases stay in the model dtype.
+    Embeddings, the LM head, norms, biases and MoE routers stay in the model dtype.
     """
     config = parse_quantization(spec)
     if config is None:
@@ -175,15 +178,17 @@ def quantize_model(model: nn.Module, spec: str | QuantConfig | None,
             report.skipped.append(name)
             continue
         report.num_quantized += 1
+        report.num_moe += hasattr(module, "num_experts")  # a FusedMoE (not imported here)
         if config.method == "int4":
             report.group_sizes[group] += 1
     report.bytes_after = param_bytes(model)
     groups = ", ".join(f"group {g}: {c}" for g, c in sorted(report.group_sizes.items()))
-    logger.info("Quantized %d linear layers to %s (%s kernels%s): weights %.1f MiB -> %.1f MiB",
-                report.num_quantized, config.name, report.backend,
+    moe = f" and {report.num_moe} MoE expert stacks" if report.num_moe else ""
+    logger.info("Quantized %d linear layers%s to %s (%s kernels%s): weights %.1f MiB -> %.1f MiB",
+                report.num_quantized - report.num_moe, moe, config.name, report.backend,
                 f"; {groups}" if groups else "", report.bytes_before / 2**20,
                 report.bytes_after / 2**20)
     if report.skipped:
-        logger.warning("%d linear layers stay unquantized (input size not a multiple of 32): %s",
+        logger.warning("%d layers stay unquantized (no int4 group divides their input size): %s",
                        len(report.skipped), ", ".join(report.skipped[:4]))
     return report

@@ -23,7 +23,8 @@ from pagellm.config import read_env
 logger = logging.getLogger("pagellm")
 
 # "3": phi3 configs gained their longrope factors (older cached ones lack them).
-_FORMAT_VERSION = "3"
+# "4": MoE files: Mixtral configs (cached before as dense Llama ones), Qwen3-MoE expert widths.
+_FORMAT_VERSION = "4"
 
 
 def cache_root() -> str:

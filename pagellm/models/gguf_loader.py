@@ -8,6 +8,14 @@ phi3 files keep the checkpoint's fused tensors (``attn_qkv``; ``ffn_up`` holds g
 longrope's factors as the tensors ``rope_factors_long/short``, which transformers' GGUF config
 reader ignores, as it does the original context length and the rotary width: see
 ``complete_gguf_config``.
+
+Mixture-of-Experts files: Mixtral is a "llama" file with ``llama.expert_count`` (its config
+becomes a MixtralConfig here; transformers reads it as a dense Llama), Qwen3-MoE a "qwen3moe"
+file (``expert_feed_forward_length``, which transformers skips, is the experts' width). Each
+layer holds the router ``ffn_gate_inp`` ``[E, H]`` and every expert's projections stacked,
+``ffn_gate_exps``/``ffn_up_exps`` ``[E, I, H]`` and ``ffn_down_exps`` ``[E, H, I]``; older Mixtral
+files store one tensor per expert (``blk.N.ffn_gate.E.weight``). They are split into the
+checkpoints' per-expert names, which the MoE models load (pagellm/models/moe.py).
 """
 
 from __future__ import annotations
@@ -43,6 +51,30 @@ _ARCH_BLOCK_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.g
 # config instead (derived, or put there by complete_gguf_config).
 _SKIPPED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
 _PERMUTED_ARCHS = {"llama"}
+# MoE: the checkpoint's name of a layer's MoE block and of the experts' (gate, up, down).
+_MOE_NAMES = {"llama": ("block_sparse_moe", ("w1", "w3", "w2")),
+              "qwen3moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+_EXPERT_STACKS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+_EXPERT_SINGLES = {"ffn_gate": 0, "ffn_up": 1, "ffn_down": 2}  # old files: blk.N.ffn_gate.E
+_SUPPORTED = "llama (and Mixtral), qwen2, qwen3, qwen3moe, phi3"
+
+
+def _expert_name(arch: str, layer: str, expert: int | str, proj: int) -> str:
+    block, projs = _MOE_NAMES[arch]
+    return f"model.layers.{layer}.{block}.experts.{expert}.{projs[proj]}.weight"
+
+
+def gguf_expert_names(name: str, arch: str, num_experts: int) -> list[str] | None:
+    """``blk.3.ffn_gate_exps.weight`` (all experts stacked) -> each expert's checkpoint name,
+    in expert order; None for any other tensor."""
+    parts = name.split(".")
+    if (len(parts) != 4 or parts[0] != "blk" or parts[2] not in _EXPERT_STACKS
+            or parts[3] != "weight"):
+        return None
+    if arch not in _MOE_NAMES:
+        raise ValueError(f"GGUF tensor {name!r}: experts in a {arch!r} file are not supported "
+                         "(MoE GGUF architectures: llama (Mixtral), qwen3moe)")
+    return [_expert_name(arch, parts[1], e, _EXPERT_STACKS[parts[2]]) for e in range(num_experts)]
 
 
 def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
@@ -56,8 +88,13 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     block_names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in block_names:
         return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{suffix}"
+    if arch in _MOE_NAMES and len(parts) >= 3 and parts[0] == "blk" and suffix == "weight":
+        if len(parts) == 3 and parts[2] == "ffn_gate_inp":  # the router
+            return f"model.layers.{parts[1]}.{_MOE_NAMES[arch][0]}.gate.weight"
+        if len(parts) == 4 and parts[2] in _EXPERT_SINGLES and parts[3].isdigit():
+            return _expert_name(arch, parts[1], parts[3], _EXPERT_SINGLES[parts[2]])
     raise ValueError(f"GGUF tensor {name!r} of a {arch!r} file has no Hugging Face equivalent "
-                     "here (supported GGUF architectures: llama, qwen2, qwen3, phi3)")
+                     f"here (supported GGUF architectures: {_SUPPORTED})")
 
 
 def reverse_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -82,14 +119,25 @@ def gguf_weights_iterator(path: str, hf_config: Any,
     permute = arch in _PERMUTED_ARCHS
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    num_experts = int(getattr(hf_config, "num_local_experts", None)
+                      or getattr(hf_config, "num_experts", None) or 0)
     for t in reader.tensors:
-        name = gguf_to_hf_name(t.name, arch)
-        if name is None:
+        experts = gguf_expert_names(t.name, arch, num_experts)
+        name = None if experts is not None else gguf_to_hf_name(t.name, arch)
+        if name is None and experts is None:
             continue
         array = dequantize(t.data, t.tensor_type)
         if not array.flags.writeable:  # unquantized tensors come back as views of the mmap
             array = np.array(array)
         w = torch.from_numpy(array)
+        if experts is not None:
+            if w.dim() != 3 or w.shape[0] != num_experts:
+                raise ValueError(f"GGUF tensor {t.name!r} has shape {tuple(w.shape)}; expected "
+                                 f"{num_experts} experts stacked on its first dimension")
+            for expert_name, expert in zip(experts, w.unbind(0), strict=True):
+                # Own storage: the GGUF cache's safetensors refuses tensors sharing memory.
+                yield expert_name, expert.to(dtype or expert.dtype, copy=True)
+            continue
         if permute and ".self_attn.q_proj." in name:
             w = reverse_permute(w, num_heads)
         elif permute and ".self_attn.k_proj." in name:
@@ -102,11 +150,58 @@ def _metadata(reader: Any, key: str) -> Any:
     return None if field is None else np.asarray(field.parts[field.data[0]]).item()
 
 
-def complete_gguf_config(config: Any, path: str) -> None:
-    """Put back into a phi3 GGUF's transformers config what its GGUF reader leaves out (it keeps
-    Phi3Config's defaults: 4096 original context, plain rope, full rotary width, no window)."""
-    if getattr(config, "model_type", None) != "phi3":
-        return
+def complete_gguf_config(config: Any, path: str) -> Any:
+    """The GGUF's transformers config with what its GGUF reader leaves out put back: for phi3
+    (it keeps Phi3Config's defaults: 4096 original context, plain rope, full rotary width, no
+    window) and MoE files (see ``_complete_moe_config``). May return a new config object."""
+    model_type = getattr(config, "model_type", None)
+    # transformers calls a "llama" file "mistral" when its general.name says so (Mixtral's may).
+    if model_type in ("llama", "mistral", "qwen3_moe"):
+        return _complete_moe_config(config, path)
+    if model_type == "phi3":
+        _complete_phi3_config(config, path)
+    return config
+
+
+def _complete_moe_config(config: Any, path: str) -> Any:
+    """A "llama" file with experts is Mixtral: a MixtralConfig (the expert width is the file's
+    ``feed_forward_length``, as llama.cpp's converter writes it). qwen3moe: the experts' width
+    and, when the file says, whether top-k weights are renormalized (llama.cpp's qwen3moe
+    always does; transformers' GGUF reader defaults it to true)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = gguf_architecture(reader)
+    experts = _metadata(reader, f"{arch}.expert_count")
+    if config.model_type == "qwen3_moe":
+        width = _metadata(reader, f"{arch}.expert_feed_forward_length")
+        if width is None:
+            raise ValueError(f"qwen3moe GGUF {path!r} has no {arch}.expert_feed_forward_length "
+                             "(the experts' intermediate size)")
+        config.moe_intermediate_size = int(width)
+        norm = _metadata(reader, f"{arch}.expert_weights_norm")
+        if norm is not None:
+            config.norm_topk_prob = bool(norm)
+        return config
+    if not experts:
+        return config  # a dense Llama
+    from transformers import MixtralConfig
+
+    used = _metadata(reader, f"{arch}.expert_used_count")
+    if not used:
+        raise ValueError(f"GGUF {path!r} has {experts} experts but no {arch}.expert_used_count")
+    fields = {k: v for k, v in config.to_dict().items()
+              if k not in ("model_type", "architectures", "transformers_version")}
+    # Only the file decides the window (MistralConfig's default of 4096 is not Mixtral's).
+    window = _metadata(reader, f"{arch}.attention.sliding_window")
+    fields["sliding_window"] = int(window) if window else None
+    mixtral = MixtralConfig(**fields, num_local_experts=int(experts),
+                            num_experts_per_tok=int(used))
+    mixtral.architectures = ["MixtralForCausalLM"]
+    return mixtral
+
+
+def _complete_phi3_config(config: Any, path: str) -> None:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)

@@ -171,11 +171,11 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
         self.max_position = rope_table_len(config, max_model_len)
-        self.sliding_window = self.get_sliding_window(config)
-        if self.sliding_window is not None:
-            logger.warning("sliding_window=%d is ignored: attention is full, so outputs differ "
-                           "from the reference past %d tokens", self.sliding_window,
-                           self.sliding_window)
+        # Per layer: its sliding window (None: full attention), set before the layers build
+        # their backends (on first use).
+        self.layer_windows = self.layer_sliding_windows(config)
+        for layer, window in zip(self.model.layers, self.layer_windows, strict=True):
+            layer.self_attn.attn.sliding_window = window
 
     def make_mlp(self, config: Any, layer_idx: int) -> nn.Module | None:
         """Layer ``layer_idx``'s MLP when the family has its own (MoE); None: the dense one."""
@@ -190,9 +190,24 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def get_sliding_window(config: Any) -> int | None:
         window = getattr(config, "sliding_window", None)
-        if window is None or window >= config.max_position_embeddings:
+        # 0 (a GGUF file without one) or a window past every position: full attention.
+        if not window or window >= config.max_position_embeddings:
             return None
         return int(window)
+
+    @classmethod
+    def layer_sliding_windows(cls, config: Any) -> list[int | None]:
+        """Each layer's sliding window (None: full attention). A config's ``layer_types``
+        (transformers 5: Qwen2's max_window_layers) says which layers slide; without it every
+        layer does once the family has a window."""
+        window = cls.get_sliding_window(config)
+        types = getattr(config, "layer_types", None)
+        n = int(config.num_hidden_layers)
+        if window is None:
+            return [None] * n
+        if types:
+            return [window if t == "sliding_attention" else None for t in types]
+        return [window] * n
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

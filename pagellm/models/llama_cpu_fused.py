@@ -112,6 +112,8 @@ class LlamaCpuFused:
                           for n in (layer.input_layernorm, layer.post_attention_layernorm))
                   and sa.rotary_emb is first.rotary_emb and _plain(RotaryEmbedding, sa.rotary_emb)
                   and isinstance(attn.get_backend(torch.device("cpu")), CpuAttentionBackend)
+                  # The fused kernel attends to every earlier key, uncapped.
+                  and attn.sliding_window is None and attn.logits_soft_cap is None
                   and (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
                   == (attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, attn0.scale))
             if not ok:

@@ -22,7 +22,7 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                       "phi3": "Phi3ForCausalLM"}
+                       "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass
@@ -100,7 +100,7 @@ def load_hf_config(src: ModelSource) -> Any:
                                             local_files_only=True)
         from pagellm.models.gguf_loader import complete_gguf_config
 
-        complete_gguf_config(config, src.gguf_path)
+        config = complete_gguf_config(config, src.gguf_path)
         if not getattr(config, "architectures", None):
             # GGUF configs carry only model_type; name the class so the folder is a complete
             # HF checkpoint (other engines can load the converted copy too).

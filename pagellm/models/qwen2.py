@@ -18,3 +18,12 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         if not getattr(config, "use_sliding_window", False):
             return None
         return LlamaForCausalLM.get_sliding_window(config)
+
+    @classmethod
+    def layer_sliding_windows(cls, config: Any) -> list[int | None]:
+        # Layers from max_window_layers on slide (transformers 5 spells it out in layer_types).
+        window = cls.get_sliding_window(config)
+        if window is None or getattr(config, "layer_types", None):
+            return super().layer_sliding_windows(config)
+        first = int(getattr(config, "max_window_layers", 0) or 0)
+        return [window if i >= first else None for i in range(int(config.num_hidden_layers))]

@@ -50,6 +50,9 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     moe_layers: int = 0
+    # Each layer's sliding window (None: full attention); empty: all full (unknown family).
+    layer_windows: tuple[int | None, ...] = ()
+    norms_per_layer: int = 2  # hidden-size RMSNorms per layer (Gemma 2/3: 4)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,7 +62,7 @@ class ModelSpec:
                        checkpoint_bytes: int | None = None) -> ModelSpec:
         """From a transformers config (or any object with its attribute names); defaults and
         biases are those of the engine's ModelConfig and model classes."""
-        from pagellm.config import model_context_len
+        from pagellm.config import hf_config_dtype, model_context_len
         from pagellm.models.registry import get_model_cls
 
         c = hf_config
@@ -71,13 +74,14 @@ class ModelSpec:
             qk_norm = bool(getattr(model_cls, "qk_norm", False))
             moe = getattr(model_cls, "moe_layout", None)
             experts, top_k, moe_inter, moe_layers = moe(c) if moe else (0, 0, 0, 0)
+            windows = tuple(model_cls.layer_sliding_windows(c))
+            norms = int(getattr(model_cls, "norms_per_layer", 2))
         except ValueError:
-            experts, top_k, moe_inter, moe_layers = 0, 0, 0, 0
+            experts, top_k, moe_inter, moe_layers, windows, norms = 0, 0, 0, 0, (), 2
             bias = bool(getattr(c, "attention_bias", False))
             qkv_bias, o_bias, supported, qk_norm = bias, bias, False, False
             arch = (getattr(c, "architectures", None) or [getattr(c, "model_type", "?")])[0]
-        # transformers 5 warns on reading the deprecated torch_dtype alias; read dtype first.
-        dtype = getattr(c, "dtype", None) or getattr(c, "torch_dtype", None)
+        dtype = hf_config_dtype(c)
         return cls(
             name=name, architecture=arch, vocab_size=int(c.vocab_size),
             hidden_size=int(c.hidden_size), intermediate_size=int(c.intermediate_size),
@@ -89,7 +93,7 @@ class ModelSpec:
             context_len=model_context_len(c), checkpoint_format=checkpoint_format,
             checkpoint_bytes=checkpoint_bytes, engine_supported=supported, qk_norm=qk_norm,
             num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_inter,
-            moe_layers=moe_layers,
+            moe_layers=moe_layers, layer_windows=windows, norms_per_layer=norms,
             config_dtype=str(dtype).removeprefix("torch.") if dtype else None)
 
 
@@ -190,6 +194,14 @@ def gguf_model_spec(path: str) -> ModelSpec:
         head_dim=key("attention.key_length"), max_position_embeddings=key("context_length"),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors)
+    experts = key("expert_count", 0)
+    if experts:  # MoE files, as the loader reads them (pagellm/models/gguf_loader.py)
+        config.num_experts_per_tok = key("expert_used_count")
+        if arch == "qwen3moe":  # every layer sparse, experts of expert_feed_forward_length
+            config.model_type, config.num_experts = "qwen3_moe", experts
+            config.moe_intermediate_size = key("expert_feed_forward_length")
+        else:  # Mixtral: a "llama" file with experts of feed_forward_length
+            config.model_type, config.num_local_experts = "mixtral", experts
     types = sorted({t.type_name for t in tensors.values()},
                    key=lambda t: -sum(x.n_bytes for x in tensors.values() if x.type_name == t))
     name = os.path.basename(path).removesuffix(".gguf")

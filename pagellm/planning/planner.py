@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from pagellm.core.kv_cache_groups import kv_cache_layout
 from pagellm.planning.devices import (
     DeviceTarget,
     estimate_activation_bytes,
@@ -61,6 +62,17 @@ class RankPlan:
     weights: WeightBreakdown
     budget: MemoryBudget
     kv: KVCachePlan
+    # KV bytes one max_model_len request holds at its peak, and what it would hold if every
+    # layer attended to the whole context (they differ for sliding-window models).
+    request_kv_bytes: int = 0
+    request_kv_bytes_full: int = 0
+
+    @property
+    def window_saving(self) -> float:
+        """The share of a max_model_len request's KV that sliding windows save (0: none)."""
+        if not self.request_kv_bytes_full:
+            return 0.0
+        return 1.0 - self.request_kv_bytes / self.request_kv_bytes_full
 
     @property
     def status(self) -> str:
@@ -80,7 +92,9 @@ class RankPlan:
             "num_blocks": self.kv.num_blocks, "token_capacity": self.kv.token_capacity,
             "max_model_len": self.kv.max_model_len,
             "max_concurrency": round(self.kv.max_concurrency, 3), "fits": self.kv.fits,
-            "status": self.status,
+            "status": self.status, "request_kv_bytes": self.request_kv_bytes,
+            "request_kv_bytes_full_attention": self.request_kv_bytes_full,
+            "sliding_window_saving": round(self.window_saving, 4),
         }
 
 
@@ -121,11 +135,22 @@ def plan_rank(spec: ModelSpec, device: DeviceTarget, s: PlanSettings, rank: int 
         # NOTE: the engine measures free RAM after loading the weights; we subtract them.
         budget = cpu_memory_budget(s.kv_cache_memory, weights.total,
                                    max(0, device.total_bytes - weights.total), activation)
-    per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+    # KV cache groups as the engine forms them (core/kv_cache_groups.py): a block holds
+    # group_size layers; a windowed group keeps only its window of a request.
+    layout = kv_cache_layout(list(spec.layer_windows) or [None] * spec.num_layers)
+    per_token = kv_bytes_per_token(layout.num_tensors, spec.num_kv_heads, spec.head_dim,
                                    s.dtype_bytes, tp)
+    windowed = any(w is not None for w in layout.windows)
+    request_blocks = (layout.blocks_for_tokens(s.max_model_len, s.block_size,
+                                               s.max_num_batched_tokens) if windowed else 0)
     kv = plan_kv_cache(budget.kv_budget_bytes, per_token, s.block_size, s.max_model_len,
-                       s.num_gpu_blocks_override)
-    return RankPlan(rank, weights, budget, kv)
+                       s.num_gpu_blocks_override, request_blocks)
+    full_per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                        s.dtype_bytes, tp)
+    full_blocks = -(-s.max_model_len // s.block_size)
+    return RankPlan(rank, weights, budget, kv,
+                    request_kv_bytes=kv.blocks_per_max_len_request * kv.bytes_per_block,
+                    request_kv_bytes_full=full_blocks * s.block_size * full_per_token)
 
 
 def plan_ranks(spec: ModelSpec, device: DeviceTarget, s: PlanSettings) -> list[RankPlan]:

@@ -83,6 +83,11 @@ def format_report(report: PlanReport) -> str:
     rows[at:at] = [["  embedding + LM head", fmt_bytes(w.embedding + w.lm_head)],
                    ["  attention", fmt_bytes(w.attention)], ["  MLP", fmt_bytes(w.mlp)],
                    ["  norms", fmt_bytes(w.norms)]]
+    if r0.window_saving > 0:
+        rows.append([f"KV of one {s.max_model_len}-token request",
+                     fmt_bytes(r0.request_kv_bytes)])
+        rows.append([f"  if no layer slid (saving {100 * r0.window_saving:.1f}%)",
+                     fmt_bytes(r0.request_kv_bytes_full)])
     rows.append(["status", r0.status])
     lines.append(_table(header, rows))
     if not r0.kv.fits:

@@ -11,9 +11,9 @@ A Mixture-of-Experts layer (Mixtral, Qwen3-MoE) holds a replicated router ``[E, 
 expert's gate/up/down, each split over the ranks along the expert's intermediate dimension
 (pagellm/layers/fused_moe.py); layers the config keeps dense hold the dense MLP.
 
-Quantization is weight-only and applies to the decoder's linear layers; embeddings, LM head,
-norms and biases stay in the model dtype (as AWQ/GPTQ-style checkpoints keep them), and so do
-MoE routers and experts, which the engine does not quantize:
+Quantization is weight-only and applies to the decoder's linear layers and MoE experts (each
+expert's gate/up and down, as a linear of that shape); embeddings, LM head, norms, biases and MoE
+routers stay in the model dtype (as AWQ/GPTQ-style checkpoints keep them):
 - int8: 1 byte per weight + one fp16 scale per output channel;
 - int4: half a byte per weight + a 16-bit scale and zero point per group of 32 input weights
   (the engine's default ``int4``, pagellm.layers.quantization.DEFAULT_INT4_GROUP_SIZE).
@@ -105,14 +105,16 @@ def weight_bytes_per_rank(spec: ModelSpec, dtype_bytes: int, tp: int = 1,
     mlp = (linear_weight_bytes(2 * inter, h, b, q) + linear_weight_bytes(h, inter, b, q)
            + ((2 * inter + h) * b if spec.mlp_bias else 0))
     moe_inter = spec.moe_intermediate_size // tp
-    moe = spec.num_experts * (3 * moe_inter * h + h) * b  # experts' gate/up/down + router row
+    # Each expert's gate/up and down, plus its router row.
+    moe = spec.num_experts * (linear_weight_bytes(2 * moe_inter, h, b, q)
+                              + linear_weight_bytes(h, moe_inter, b, q) + h * b)
     dense_layers = spec.num_layers - spec.moe_layers
     vocab_rows = math.ceil(spec.vocab_size / tp)
     embedding = vocab_rows * h * b
     return WeightBreakdown(
         embedding=embedding, lm_head=0 if spec.tie_word_embeddings else embedding,
         attention=spec.num_layers * attention, mlp=dense_layers * mlp + spec.moe_layers * moe,
-        norms=(2 * spec.num_layers + 1) * h * b
+        norms=(spec.norms_per_layer * spec.num_layers + 1) * h * b
         + (spec.num_layers * 2 * hd * b if spec.qk_norm else 0))
 
 

@@ -41,6 +41,8 @@ class InputBatch:
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        # Block tables of KV cache groups 1.. (models with several; see set_num_kv_groups).
+        self.group_block_tables: list[np.ndarray] = []
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.null_block_id = 0
@@ -51,17 +53,27 @@ class InputBatch:
         """Pad every block-table row with ``block_id`` (an always-zero block)."""
         self.null_block_id = block_id
         self.block_table.fill(block_id)
+        for table in self.group_block_tables:
+            table.fill(block_id)
+
+    def set_num_kv_groups(self, num_groups: int) -> None:
+        """One more block table per KV cache group past the first (core/kv_cache_groups.py)."""
+        self.group_block_tables = [np.full_like(self.block_table, self.null_block_id)
+                                   for _ in range(num_groups - 1)]
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                     sampling_params: SamplingParams, block_ids: list[int],
-                    num_computed_tokens: int, generator: torch.Generator | None
-                    ) -> CachedRequestState:
+                    num_computed_tokens: int, generator: torch.Generator | None,
+                    group_block_ids: list[list[int]] | None = None) -> CachedRequestState:
         assert req_id not in self.requests, req_id
         row = self._free_rows.pop()
         tokens = list(prompt_token_ids) + list(output_token_ids)
         self.token_ids[row, : len(tokens)] = tokens
         self.block_table[row] = self.null_block_id
         self.block_table[row, : len(block_ids)] = block_ids
+        for table, ids in zip(self.group_block_tables, group_block_ids or (), strict=True):
+            table[row] = self.null_block_id
+            table[row, : len(ids)] = ids
         state = CachedRequestState(
             req_id=req_id, row=row, num_prompt_tokens=len(prompt_token_ids),
             num_tokens=len(tokens), num_computed_tokens=num_computed_tokens,
@@ -72,10 +84,13 @@ class InputBatch:
             self.sampling.add(row, sampling_params, prompt_token_ids, output_token_ids)
         return state
 
-    def append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
+    def append_blocks(self, state: CachedRequestState, block_ids: list[int],
+                      group_block_ids: list[list[int]] | None = None) -> None:
         if block_ids:
             n = state.num_blocks
             self.block_table[state.row, n : n + len(block_ids)] = block_ids
+            for table, ids in zip(self.group_block_tables, group_block_ids or (), strict=True):
+                table[state.row, n : n + len(ids)] = ids
             state.num_blocks = n + len(block_ids)
 
     def append_token(self, state: CachedRequestState, token_id: int) -> None:

@@ -23,8 +23,10 @@ logger = logging.getLogger("pagellm")
 
 
 def config_kv_bytes_per_token(config: EngineConfig) -> int:
+    """KV bytes of one token in one block: every layer's, or with several KV cache groups the
+    ``group_size`` layers a block holds (core/kv_cache_groups.py)."""
     m = config.model
-    return kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim,
+    return kv_bytes_per_token(m.kv_cache_layout().num_tensors, m.num_kv_heads, m.head_dim,
                               torch.tensor([], dtype=m.dtype).element_size(),
                               config.parallel.tensor_parallel_size)
 
@@ -55,8 +57,14 @@ def plan_for_device(config: EngineConfig, weight_bytes: int,
     else:
         budget = cpu_memory_budget(cache.kv_cache_memory, weight_bytes)
         flag = "--kv-cache-memory"
+    layout = config.model.kv_cache_layout()
+    request_blocks = 0
+    if layout.num_groups > 1 or layout.groups[0].sliding_window is not None:
+        request_blocks = layout.blocks_for_tokens(config.model.max_model_len, cache.block_size,
+                                                  config.scheduler.max_num_batched_tokens)
     plan = plan_kv_cache(budget.kv_budget_bytes, per_token, cache.block_size,
-                         config.model.max_model_len, cache.num_gpu_blocks_override)
+                         config.model.max_model_len, cache.num_gpu_blocks_override,
+                         request_blocks)
     log_plan(plan, str(device))
     from pagellm.planning.report import log_planned_vs_measured
 
@@ -86,7 +94,10 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int, device: torch.devi
 
     m = config.model
     heads = kv_heads_per_rank(m.num_kv_heads, config.parallel.tensor_parallel_size)
-    shape = (m.num_layers, 2, num_blocks + 2, config.cache.block_size, heads, m.head_dim)
+    # With several KV cache groups the tensors are fewer than the layers: layer j of every
+    # group shares tensor j (a block id belongs to one group at a time).
+    layout = m.kv_cache_layout()
+    shape = (layout.num_tensors, 2, num_blocks + 2, config.cache.block_size, heads, m.head_dim)
     kv = torch.empty(shape, dtype=dtype, device=device)
     kv[:, :, num_blocks:].zero_()
-    return [(kv[i, 0], kv[i, 1]) for i in range(m.num_layers)]
+    return [(kv[t, 0], kv[t, 1]) for t in layout.tensor_of_layer]

@@ -38,6 +38,10 @@ class KVCachePlan:
     block_size: int
     num_blocks: int
     max_model_len: int
+    # Blocks one request of max_model_len holds at its peak, when that is not
+    # ceil(max_model_len / block_size): models with sliding-window KV cache groups
+    # (KVCacheLayout.blocks_for_tokens). 0: the plain count.
+    max_len_request_blocks: int = 0
 
     @property
     def bytes_per_block(self) -> int:
@@ -49,7 +53,7 @@ class KVCachePlan:
 
     @property
     def blocks_per_max_len_request(self) -> int:
-        return math.ceil(self.max_model_len / self.block_size)
+        return self.max_len_request_blocks or math.ceil(self.max_model_len / self.block_size)
 
     @property
     def max_concurrency(self) -> float:
@@ -68,12 +72,17 @@ class KVCachePlan:
 
 
 def plan_kv_cache(kv_budget_bytes: int, kv_bytes_per_token: int, block_size: int,
-                  max_model_len: int, num_blocks_override: int | None = None) -> KVCachePlan:
+                  max_model_len: int, num_blocks_override: int | None = None,
+                  max_len_request_blocks: int = 0) -> KVCachePlan:
+    """``kv_bytes_per_token``: of one block-table slot (with KV cache groups, a block holds
+    ``group_size`` layers, see core/kv_cache_groups.py); ``max_len_request_blocks``: see
+    KVCachePlan."""
     bytes_per_block = kv_bytes_per_token * block_size
     num_blocks = num_blocks_override or max(0, kv_budget_bytes // bytes_per_block)
     return KVCachePlan(kv_budget_bytes=kv_budget_bytes, kv_bytes_per_token=kv_bytes_per_token,
                        block_size=block_size, num_blocks=int(num_blocks),
-                       max_model_len=max_model_len)
+                       max_model_len=max_model_len,
+                       max_len_request_blocks=max_len_request_blocks)
 
 
 def check_fits(plan: KVCachePlan, budget_flag: str) -> None:

@@ -10,9 +10,10 @@ what one quantized from them at start-up would. Each re-made parameter is copied
 old one's storage on accelerators where the layout allows, so pointers held elsewhere (CUDA
 graphs) stay valid; on CPU the fused step's tables are rebuilt instead.
 
-Mixture-of-Experts weights (FusedMoE's stacked experts, the router) are plain float tensors no
-method re-lays out: each expert's tensor is copied into its slice in place, the names mapped by
-the model's own ``moe_target``.
+Mixture-of-Experts weights (FusedMoE's stacked experts, the router) are float tensors: each
+expert's tensor is copied into its slice in place, the names mapped by the model's own
+``moe_target``. Quantized experts get their float stacks back first (dequantized) and afterwards
+only the experts loaded into are quantized again, into the quantized stacks in place.
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ def update_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
         # A quantized layer's float weight is gone until _to_float_layout gives it back.
         quantized = isinstance(getattr(modules.get(owner), "linear_method", None),
                                QuantizedLinearMethod) and leaf == "weight"
+        quantized = quantized or (isinstance(modules.get(owner), FusedMoE)
+                                  and modules[owner].quant is not None)
         if name not in params and not quantized:
             raise ValueError(f"weight {ckpt_name!r} matches no parameter of "
                              f"{type(model).__name__}")
@@ -161,6 +164,10 @@ def update_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
         return got.get(n, set()) >= shards.get(n.rpartition(".")[2], {None})
 
     old = {n: _to_float_layout(modules[n], whole(n)) for n in sorted(layers)}
+    moes = [m for m in {name.rpartition(".")[0] for _, name, _, _ in todo}
+            if isinstance(modules.get(m), FusedMoE)]
+    for m in moes:
+        modules[m].to_float_layout()
     try:
         fresh = dict(model.named_parameters())
         for ckpt_name, name, shard, tensor in todo:
@@ -171,6 +178,8 @@ def update_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
             layer = modules[n]
             layer.linear_method.process_weights_after_loading(layer)
             _reuse_storage(layer, prev)
+        for m in moes:
+            modules[m].process_weights_after_loading()
         enable_fused_cpu_forward(model)
     return len(todo)
 

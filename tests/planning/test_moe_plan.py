@@ -84,3 +84,34 @@ def test_weight_bytes_equal_the_engine_layers(monkeypatch, name, tp):
         model = get_model_cls(config)(config)
     measured = sum(p.numel() * p.element_size() for p in model.parameters())
     assert weight_bytes_per_rank(ModelSpec.from_hf_config(config, name), 2, tp).total == measured
+
+
+# Small enough to build for real: 8 experts of width 64, hidden 128 (every int4 group is 32).
+SMALL_MOE = {"Mixtral": dict(MIXTRAL_8X7B, hidden_size=128, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             vocab_size=256),
+             "Qwen3-MoE": dict(QWEN3_MOE_MIXED, hidden_size=128, intermediate_size=96,
+                               moe_intermediate_size=64, num_hidden_layers=3, head_dim=32,
+                               num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                               mlp_only_layers=[1], vocab_size=256)}
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("name", SMALL_MOE)
+def test_quantized_weight_bytes_equal_the_engine(name, quantization):
+    """The engine quantizes experts too: its bytes (bfloat16, plain-layout "torch" backend with
+    16-bit scales) are the plan's, experts and linears alike."""
+    from pagellm.layers.quantization import param_bytes, quantize_model
+    from pagellm.models.registry import get_model_cls
+    from pagellm.models.weight_utils import default_dtype, init_dummy_weights
+
+    config = _hf_config(SMALL_MOE[name])
+    with default_dtype(torch.bfloat16):
+        model = get_model_cls(config)(config)
+    init_dummy_weights(model)
+    float_bytes = param_bytes(model)
+    spec = ModelSpec.from_hf_config(config, name)
+    assert weight_bytes_per_rank(spec, 2).total == float_bytes
+    report = quantize_model(model, quantization, "torch")
+    assert not report.skipped
+    assert weight_bytes_per_rank(spec, 2, 1, quantization).total == param_bytes(model)
