@@ -13,14 +13,16 @@ if TYPE_CHECKING:
     from pagellm.engine_args import EngineArgs
     from pagellm.entrypoints.llm import LLM
     from pagellm.outputs import CompletionOutput, RequestOutput
-    from pagellm.sampling_params import SamplingParams
+    from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "EngineArgs"]
 __version__ = "0.1.0"
 
 _LAZY_MODULES = {
     "LLM": "pagellm.entrypoints.llm",
     "SamplingParams": "pagellm.sampling_params",
+    "StructuredOutputsParams": "pagellm.sampling_params",
     "RequestOutput": "pagellm.outputs",
     "CompletionOutput": "pagellm.outputs",
     "EngineArgs": "pagellm.engine_args",

@@ -29,6 +29,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 PREFIX_CACHING_HASH_ALGOS = ("sha256", "blake2b")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# Both mean xgrammar today ("auto" leaves room for more); llguidance ("guidance") is not
+# installed here, so it is not offered.
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128)  # checked, not argparse choices: the error names the flag
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
@@ -131,6 +134,15 @@ class ModelConfig:
         hd = getattr(self.hf_config, "head_dim", None)
         return int(hd or self.hf_config.hidden_size // self.num_attention_heads)
 
+    def kv_cache_layout(self) -> Any:
+        """The KV cache groups of the model's layers (core/kv_cache_groups.KVCacheLayout): by
+        attention type, from the model class's ``layer_sliding_windows``."""
+        from pagellm.core.kv_cache_groups import kv_cache_layout
+        from pagellm.models.registry import get_model_cls
+
+        model_cls: Any = get_model_cls(self.hf_config)
+        return kv_cache_layout(model_cls.layer_sliding_windows(self.hf_config))
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -171,6 +183,7 @@ class EngineConfig:
     enforce_eager: bool = False
     enable_sleep_mode: bool = False  # LLM.sleep()/wake_up() allowed
     disable_log_stats: bool = False
+    structured_outputs_backend: str = "auto"  # STRUCTURED_OUTPUTS_BACKENDS
     env: EnvSettings = EnvSettings()  # the environment's settings when the config was made
 
 
@@ -225,7 +238,7 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dty
     if dtype != "auto":
         return getattr(torch, DTYPE_NAMES[dtype])
     if device.type == "cuda":
-        cfg = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+        cfg = hf_config_dtype(hf_config)
         chosen = torch.float16 if cfg in (torch.float16, "float16") else torch.bfloat16
         why = "half precision on CUDA"
     elif _cpu_has_fast_bf16():
@@ -234,6 +247,16 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dty
         chosen, why = torch.float32, "this CPU has no native bf16, so fp32 is faster and exact"
     logger.info("dtype auto -> %s (%s)", str(chosen).removeprefix("torch."), why)
     return chosen
+
+
+def hf_config_dtype(hf_config: Any) -> Any:
+    """The checkpoint's dtype from a transformers config, or None. transformers >= 4.56 names
+    it ``dtype``; in 5.x reading the old ``torch_dtype`` name logs a deprecation warning at
+    every start, so that name is read only where it is a plain attribute (older versions)."""
+    dtype = getattr(hf_config, "dtype", None)
+    if dtype is None:
+        dtype = vars(hf_config).get("torch_dtype") if hasattr(hf_config, "__dict__") else None
+    return dtype
 
 
 def model_context_len(hf_config: Any) -> int:

@@ -26,6 +26,7 @@ from pagellm.config import (
     LOAD_FORMATS,
     PREFIX_CACHING_HASH_ALGOS,
     SCHEDULING_POLICIES,
+    STRUCTURED_OUTPUTS_BACKENDS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -99,8 +100,8 @@ class EngineArgs:
         "auto", "auto (from the model's files), safetensors, gguf, or dummy (random weights)",
         choices=LOAD_FORMATS)
     quantization: str | None = option(
-        None, "weight-only quantization of the linear layers at load time: none, int8 (per "
-        "channel), int4 (group 32) or int4-g32/g64/g128/g256")
+        None, "weight-only quantization of the linear layers and MoE experts at load time: "
+        "none, int8 (per channel), int4 (group 32) or int4-g32/g64/g128/g256")
     attention_backend: str = option(
         "auto", "auto: triton on CUDA, cpu (C++ kernels, built on first use) on CPU; torch: the "
         "plain PyTorch reference", choices=ATTENTION_BACKENDS)
@@ -121,6 +122,9 @@ class EngineArgs:
         "top_k, min_p and repetition_penalty for requests that leave them unset; vllm: ignore "
         "those defaults; or a folder to read generation_config.json from (EOS ids it lists "
         "stop generation in every mode)")  # a path is allowed: checked when loaded
+    structured_outputs_backend: str = option(
+        "auto", "engine for structured outputs (JSON schema, regex, choice, EBNF grammar): "
+        "auto or xgrammar (the same today)", choices=STRUCTURED_OUTPUTS_BACKENDS)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -210,6 +214,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             enable_sleep_mode=self.enable_sleep_mode,
             disable_log_stats=self.disable_log_stats,
+            structured_outputs_backend=self.structured_outputs_backend,
             env=env,
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagellm.sampling_params import SamplingParams
 
@@ -68,6 +69,10 @@ class Request:
     # Timestamps (time.monotonic) for metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Structured outputs: the RequestGrammar (pagellm/structured_output/request_grammar.py) the
+    # engine core attaches when the request arrives; None for an unconstrained request. The
+    # scheduler admits the request once ``grammar.ready`` and feeds it every sampled token.
+    grammar: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from pagellm.structured_output.params import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
+
 _MAX_LOGPROBS = 20
 # torch.Generator.manual_seed takes a signed or unsigned 64-bit value; keep seeds signed 64-bit.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
@@ -35,12 +39,16 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
-    prompt_logprobs: int | None = None  # not supported yet: must stay None
+    # Logprobs of each prompt token after the first, plus this many top tokens (vLLM's).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     # False: outputs carry token ids only (text "", no decoding work), for RL rollouts.
     detokenize: bool = True
+    # Constrain the output (JSON schema, regex, choice, EBNF grammar, JSON object); see
+    # pagellm/structured_output/ and docs/structured_output.md.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: every stop string as a list, and the eos-equivalent token ids.
     _stop_strs: list[str] = field(default_factory=list, repr=False, init=False)
 
@@ -101,9 +109,10 @@ class SamplingParams:
             bad("repetition_penalty", "must be in (0, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             bad("logprobs", f"must be in [0, {_MAX_LOGPROBS}]")
-        if self.prompt_logprobs is not None:
-            # Kept for vLLM's signature, but nothing computes them: refuse, not return none.
-            bad("prompt_logprobs", "is not supported yet (leave it None)")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int)
+                or not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be in [0, {_MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or s == "" for s in self._stop_strs):
             bad("stop", "must be non-empty strings")
         if not isinstance(self.detokenize, bool):
@@ -113,6 +122,12 @@ class SamplingParams:
                 "stop_token_ids with detokenize=False")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a StructuredOutputsParams")
+            if self.ignore_eos:
+                bad("ignore_eos", "cannot be combined with structured_outputs (the grammar "
+                    "decides where the output ends)")
         if self.logit_bias is not None:
             for tok, b in self.logit_bias.items():
                 if not isinstance(tok, int) or tok < 0:

@@ -7,6 +7,7 @@ import json
 import time
 from typing import Any
 
+from pagellm.benchmarks.structured import run_requests
 from pagellm.benchmarks.workload import load_jsonl, random_requests
 from pagellm.engine_args import EngineArgs
 
@@ -20,12 +21,19 @@ def add_throughput_parser(sub: Any) -> None:
     p.add_argument("--output-len", default="128", help="N or LO-HI (random prompts)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests before timing")
     p.add_argument("--output-json", default=None, help="also write the result as JSON here")
+    p.add_argument("--structured-output", choices=("none", "json"), default="none",
+                   help="json: run the workload again with every request under a typical JSON "
+                   "schema and print the throughput ratio and the schema's compile times")
     p.set_defaults(func=run_throughput)
 
 
 def run_throughput(ns: argparse.Namespace) -> int:
     result = benchmark_throughput(ns)
     print(format_result(result))
+    if "structured" in result:
+        from pagellm.benchmarks.structured import format_structured
+
+        print(format_structured(result["structured"]))
     line = json.dumps(result)
     print(line)
     if ns.output_json:
@@ -51,19 +59,16 @@ def benchmark_throughput(ns: argparse.Namespace) -> dict[str, Any]:
                            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    start = time.perf_counter()
-    for i, r in enumerate(reqs):
-        engine.add_request(str(i), {"prompt_token_ids": r.prompt_token_ids},
-                           SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
-                                          ignore_eos=True))
-    num_out = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                num_out += sum(len(c.token_ids) for c in out.outputs)
-    elapsed = time.perf_counter() - start
+    elapsed, num_out = run_requests(
+        engine, reqs, lambda r: SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
+                                               ignore_eos=True), "")
     num_in = sum(len(r.prompt_token_ids) for r in reqs)
     stats = engine.engine_core.make_stats()
+    structured = {}
+    if getattr(ns, "structured_output", "none") == "json":
+        from pagellm.benchmarks.structured import benchmark_structured
+
+        structured = {"structured": benchmark_structured(engine, reqs, elapsed, num_out)}
     return {
         "num_requests": len(reqs), "elapsed_s": round(elapsed, 3),
         "prompt_tokens": num_in, "output_tokens": num_out,
@@ -76,6 +81,7 @@ def benchmark_throughput(ns: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
         "max_num_seqs": engine.config.scheduler.max_num_seqs,
         "num_kv_blocks": engine.engine_core.num_blocks,
+        **structured,
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagellm.sampling_params import SamplingParams
 
@@ -12,7 +13,8 @@ class NewRequestData:
     """A request the runner has not seen (first scheduling, or resumed after preemption).
 
     ``prompt_token_ids`` + ``output_token_ids`` are every token the request has so far; the runner
-    keeps them and appends what it samples. ``block_ids`` is the whole block table.
+    keeps them and appends what it samples. ``block_ids`` is the whole block table (of KV cache
+    group 0; ``group_block_ids`` holds those of groups 1.., for models with several groups).
     """
 
     req_id: str
@@ -21,6 +23,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -30,6 +33,9 @@ class CachedRequestData:
 
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
+    # Models with several KV cache groups: per request, the blocks groups 1.. added (as many
+    # as group 0's); empty otherwise.
+    new_group_block_ids: list[list[list[int]]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
 
@@ -43,6 +49,9 @@ class SchedulerOutput:
     # Requests that finished or were preempted since the last step: the runner drops their state.
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs: the allowed next tokens of the constrained requests that sample this
+    # step (a GrammarBitmask, pagellm/structured_output/manager.py), or None.
+    grammar_bitmask: Any = None
 
 
 @dataclass(slots=True)
@@ -58,13 +67,25 @@ class Logprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of a run of prompt tokens, scored in the step that computed the positions before
+    them: ``records[j]`` is prompt token ``start + j`` (``start`` >= 1: the first prompt token has
+    none) given every token before it; its ``sampled_*`` fields hold that prompt token's own."""
+
+    start: int
+    records: list[Logprobs]
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """One entry per scheduled request, in the runner's order. ``sampled_token_ids[i]`` is empty
-    for a request whose prefill chunk did not reach the end of its known tokens."""
+    for a request whose prefill chunk did not reach the end of its known tokens.
+    ``prompt_logprobs`` holds, for requests that asked, the prompt tokens this step scored."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[Logprobs | None] = field(default_factory=list)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -77,3 +98,5 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: list[Logprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Prompt tokens scored this step (SamplingParams.prompt_logprobs); may come without tokens.
+    prompt_logprobs: PromptLogprobs | None = None

@@ -55,7 +55,10 @@ class Scheduler:
         scheduler_config: SchedulerConfigLike,
         cache_config: CacheConfigLike,
         num_blocks: int,
+        kv_group_windows: list[int | None] | None = None,
     ) -> None:
+        """``kv_group_windows``: the sliding window of each KV cache group
+        (core/kv_cache_groups.py; None: one group of full attention)."""
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -67,6 +70,7 @@ class Scheduler:
             enable_caching=cache_config.enable_prefix_caching,
             hash_algo=getattr(cache_config, "prefix_caching_hash_algo", "sha256"),
             max_model_len=self.max_model_len,
+            group_windows=kv_group_windows,
         )
         self.policy = getattr(scheduler_config, "policy", "fcfs")
         self.requests: dict[str, Request] = {}
@@ -158,6 +162,9 @@ class Scheduler:
                 break
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks])
+            if kv.num_groups > 1:
+                cached.new_group_block_ids.append(
+                    kv.get_other_group_block_ids(request.request_id, last=len(new_blocks)))
             cached.num_computed_tokens.append(request.num_computed_tokens)
             num_scheduled[request.request_id] = num_new
             request.num_computed_tokens += num_new
@@ -170,8 +177,12 @@ class Scheduler:
         """Admit waiting requests in queue order while blocks, budget and ``max_num_seqs``
         allow; fills ``num_scheduled`` and ``new_reqs``. Returns the budget left."""
         kv = self.kv_cache_manager
+        skipped: list[Request] = []  # grammar still compiling: they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.grammar is not None and not request.grammar.ready:
+                skipped.append(self.waiting.pop())
+                continue
             computed_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if kv.allocate_slots(request, num_new, computed_blocks, num_hit) is None:
@@ -190,11 +201,14 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit,
+                    group_block_ids=kv.get_other_group_block_ids(request.request_id),
                 )
             )
             num_scheduled[request.request_id] = num_new
             request.num_computed_tokens = num_hit + num_new
             budget -= num_new
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
         return budget
 
     def _victim_index(self, start: int) -> int:
@@ -235,12 +249,19 @@ class Scheduler:
             if i is None or request is None or request.is_finished:
                 continue
             sampled = runner_output.sampled_token_ids[i]
+            prompt_lps = runner_output.prompt_logprobs.get(req_id)
             if not sampled:
+                if prompt_lps is not None:  # a prefill chunk's scores, sent as they come
+                    outputs.append(EngineCoreOutput(req_id=req_id, new_token_ids=[],
+                                                    prompt_logprobs=prompt_lps))
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
             new_token_ids: list[int] = []
             for token_id in sampled:
+                if request.grammar is not None and not self._accept_grammar_token(request,
+                                                                                  token_id):
+                    break  # finished with an error; the token is not part of the output
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
                 if self._check_stop(request):
@@ -259,16 +280,34 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     new_logprobs=new_logprobs,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    prompt_logprobs=prompt_lps,
                 )
             )
         if any_finished:  # one pass, not a list.remove per finished request
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
+    def _accept_grammar_token(self, request: Request, token_id: int) -> bool:
+        """Feed a sampled token to the request's grammar; False (and FINISHED_ERROR) when the
+        grammar refuses it, which only a row with no allowed token at all can sample."""
+        if request.grammar.accept_token(token_id):
+            return True
+        logger.error("Request %s sampled token %d, which its grammar does not allow; finishing "
+                     "it with an error.", request.request_id, token_id)
+        request.status = RequestStatus.FINISHED_ERROR
+        return False
+
     def _check_stop(self, request: Request) -> bool:
         """Set a finished status if the last token ends the request."""
         params = request.sampling_params
         last = request.output_token_ids[-1]
+        if request.grammar is not None and request.grammar.is_terminated():
+            # The grammar's output is complete (it accepted a stop token). It may end short of
+            # min_tokens: the bitmask allowed the end early only when nothing else was possible.
+            request.status = RequestStatus.FINISHED_STOPPED
+            if last in (params.stop_token_ids or ()):
+                request.stop_reason = last
+            return True
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last == request.eos_token_id:
                 request.status = RequestStatus.FINISHED_STOPPED

@@ -20,6 +20,8 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.errors import EngineSleepingError, EngineStepsFailedError, WorkerFailedError
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import FinishReason, Request, RequestStatus
+from pagellm.structured_output.compiler import GrammarCompiler, grammar_compiler_for
+from pagellm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagellm")
 
@@ -27,6 +29,8 @@ logger = logging.getLogger("pagellm")
 # steps in a row (no step succeeding between them) mean the fault is not in the requests but in
 # the engine (a broken device, a bug on every path), and the engine stops.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+# How long a step with nothing to run but grammars still compiling waits for one of them.
+_GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass(slots=True)
@@ -41,19 +45,27 @@ class IterationStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, eos_token_id: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, eos_token_id: int | None = None,
+                 grammar_compiler: GrammarCompiler | None = None) -> None:
+        """``grammar_compiler``: the frontend's, when it lives in this process (its cache then
+        serves both); by default the core makes its own, loading the tokenizer on first use."""
         from pagellm.worker.executor import make_executor
 
         self.config = config
         start = time.perf_counter()
         self.executor = make_executor(config, eos_token_id)
         num_blocks = self.executor.initialize_kv_cache()
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
+                                   config.model.kv_cache_layout().windows)
         self.num_blocks = num_blocks
         self.stats = IterationStats()
         self.num_consecutive_step_failures = 0
         self.num_failed_steps = 0
         self.sleep_level = 0  # see sleep()
+        if grammar_compiler is None:
+            grammar_compiler = grammar_compiler_for(
+                config, lambda: _load_tokenizer(config), eos_token_id)
+        self.structured_output = StructuredOutputManager(grammar_compiler)
         logger.info("Engine ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: Request) -> None:
@@ -61,6 +73,9 @@ class EngineCore:
             raise EngineSleepingError("The engine is sleeping (its KV cache is freed): call "
                                       "wake_up() before sending requests.")
         self.scheduler.add_request(request)
+        if request.sampling_params.structured_outputs is not None:
+            # Queued now, admitted by the scheduler once its grammar has compiled.
+            self.structured_output.add_request(request)
 
     def abort_requests(self, req_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -74,19 +89,46 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         start = time.perf_counter()
+        failed = self._update_grammars()
+        if self._only_compiling():
+            # Nothing can run until a grammar compiles: wait for one (not a busy loop).
+            self.structured_output.wait_for_compiles(_GRAMMAR_WAIT_S)
+            return failed
         sched_output = self.scheduler.schedule()
+        if self.structured_output.num_requests:
+            sched_output.grammar_bitmask = self.structured_output.grammar_bitmask(
+                sched_output, self.scheduler.requests)
         num_prefill = self._num_prefill_tokens(sched_output)  # before finished requests go
         try:
             runner_output = self.executor.execute_model(sched_output)
         except WorkerFailedError:
             raise  # a tensor-parallel rank is gone: the executor cannot run another step
         except Exception as e:
-            return self._fail_step(sched_output, e)
+            return failed + self._fail_step(sched_output, e)
         self.num_consecutive_step_failures = 0
-        outputs = self.scheduler.update_from_output(sched_output, runner_output)
+        outputs = failed + self.scheduler.update_from_output(sched_output, runner_output)
         self._count(num_prefill, outputs)
         self.stats.step_time_s += time.perf_counter() - start
         return outputs
+
+    def _update_grammars(self) -> list[EngineCoreOutput]:
+        """Admit the requests whose grammar compiled; finish those whose compile failed (the
+        frontend compiled the same spec, so only an engine fault gets here)."""
+        failed = self.structured_output.update()
+        if not failed:
+            return []
+        ids = [r.request_id for r in failed]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        reason = FinishReason.ERROR.value
+        finished = self.stats.num_finished
+        finished[reason] = finished.get(reason, 0) + len(ids)
+        return [EngineCoreOutput(req_id=r, new_token_ids=[], finish_reason=reason) for r in ids]
+
+    def _only_compiling(self) -> bool:
+        """Every unfinished request waits for its grammar."""
+        sched = self.scheduler
+        return (not sched.running and self.structured_output.num_compiling > 0
+                and self.structured_output.num_compiling == len(sched.waiting))
 
     def _fail_step(self, sched_output: SchedulerOutput, error: Exception
                    ) -> list[EngineCoreOutput]:
@@ -203,4 +245,11 @@ class EngineCore:
         return self.sleep_level > 0
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()
+
+
+def _load_tokenizer(config: EngineConfig) -> Any:
+    from pagellm.models.loader import load_tokenizer
+
+    return load_tokenizer(config.model.source, config.model.tokenizer)

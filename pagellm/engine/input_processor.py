@@ -12,6 +12,7 @@ from pagellm.models.generation_config import extra_stop_ids
 from pagellm.request import Request
 from pagellm.sample.metadata import validate_token_ids
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_output.compiler import grammar_compiler_for
 
 # A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids", and maybe "cache_salt".
 PromptType = str | Mapping[str, Any]
@@ -37,6 +38,9 @@ class InputProcessor:
         self.vocab_size = config.model.vocab_size
         # generation_config.json's EOS ids (a fake config in tests may have none)
         self.generation_config = getattr(config.model, "generation_config", None)
+        # Structured outputs: each spec compiles (cached) when its request is added, so a bad
+        # schema, regex or grammar is a ValueError before anything is queued.
+        self.grammar_compiler = grammar_compiler_for(config, lambda: tokenizer, eos_token_id)
 
     def tokenize(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, str):
@@ -83,15 +87,22 @@ class InputProcessor:
         ids = processed.prompt_token_ids
         self.validate(ids)
         validate_token_ids(params, self.vocab_size)
+        if params.structured_outputs is not None:
+            self.grammar_compiler.compile(params.structured_outputs)
         # Every EOS id of generation_config.json stops, not only the tokenizer's (Llama 3.1).
         params = extra_stop_ids(params, self.generation_config, self.eos_token_id)
         room = self.max_model_len - len(ids)
+        # Offline, as vLLM's LLM: generation ends at the context's end (finish "length"); the
+        # server refuses a max_tokens past it with a 400 before this (limits, check_prompt).
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            child_params = params if params.n == 1 else params.clone(n=1, seed=seed)
+            # n > 1: sample 0 alone scores the prompt (the siblings' scores would be the same);
+            # the others may then read the prompt's blocks from the prefix cache.
+            child_params = params if params.n == 1 else params.clone(
+                n=1, seed=seed, prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             children.append(Request(
                 request_id=child_request_id(request_id, i, params.n),
                 prompt_token_ids=list(ids), sampling_params=child_params,

@@ -40,8 +40,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer, self.eos_token_id = load_tokenizer_and_eos(config)
-        self.engine_core = EngineCore(config, self.eos_token_id)
         self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_id)
+        # One process: the core shares the frontend's compiled-grammar cache.
+        self.engine_core = EngineCore(config, self.eos_token_id,
+                                      self.input_processor.grammar_compiler)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.sample.grammar import GrammarMask
 from pagellm.sample.penalties import PenaltyTensors
 from pagellm.sampling_params import SamplingParams
 
@@ -55,6 +56,8 @@ class SamplingMetadata:
     # Largest number of top logprobs any row asked for; None when no row wants logprobs.
     max_num_logprobs: int | None = None
     num_logprobs: list[int | None] = field(default_factory=list)  # per row, as requested
+    # Structured outputs: the allowed tokens of the constrained rows (sample/grammar.py).
+    grammar_bitmask: GrammarMask | None = None
 
     @property
     def batch_size(self) -> int:
@@ -153,8 +156,8 @@ def _min_tokens_mask(
     tokens: list[int] = []
     for i, (p, num_out, eos) in enumerate(zip(params, num_output_tokens, eos_token_ids,
                                               strict=True)):
-        if num_out >= p.min_tokens:
-            continue
+        if num_out >= p.min_tokens or p.structured_outputs is not None:
+            continue  # a constrained row's bitmask holds its stop tokens back itself
         blocked = set(p.stop_token_ids or [])
         if eos is not None and not p.ignore_eos:
             blocked.add(eos)

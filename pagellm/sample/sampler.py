@@ -9,6 +9,7 @@ import torch
 from pagellm.core.sched_output import Logprobs
 from pagellm.sample.argmax import argmax_rows
 from pagellm.sample.filters import apply_min_p, apply_top_k_top_p, exponential_sample
+from pagellm.sample.grammar import apply_grammar_mask
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.penalties import apply_penalties
 
@@ -77,11 +78,13 @@ def _record(ids: list[int], lps: list[float], rank: int, num_logprobs: int) -> L
 
 
 class Sampler:
-    """Order: logit bias and min_tokens masking -> penalties -> greedy rows take the argmax ->
-    temperature -> min-p -> top-k / top-p -> softmax -> exponential-noise sampling.
+    """Order: the grammar bitmask (structured outputs) -> logit bias and min_tokens masking ->
+    penalties -> greedy rows take the argmax -> temperature -> min-p -> top-k / top-p ->
+    softmax -> exponential-noise sampling.
 
-    Logprobs come from the raw logits (before any of that). ``logits`` [B, V] are upcast to
-    float32; float32 logits are modified in place.
+    Logprobs come from the raw logits (before any of that but the grammar bitmask, as in vLLM:
+    a constrained row's logprobs are those of what its grammar allows). ``logits`` [B, V] are
+    upcast to float32; float32 logits are modified in place.
 
     Unseeded random rows draw from ``generator`` (an engine's own, seeded with its
     ``--seed``); None: torch's global generator.
@@ -99,6 +102,10 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == meta.batch_size
         # Sampling math is float32 whatever the model dtype (no-op when already float32).
         logits = logits.float()
+        if meta.grammar_bitmask is not None:
+            # First, as vLLM: logprobs are then those of the distribution the grammar allows,
+            # and nothing after (bias, penalties: -inf stays -inf) re-enables a masked token.
+            apply_grammar_mask(logits, meta.grammar_bitmask)
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)

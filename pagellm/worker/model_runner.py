@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
 from pagellm.attention.backend import AttentionMetadata, Workspace
 from pagellm.config import EngineConfig
+from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.communication import all_reduce_min, broadcast_from_rank0
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
@@ -18,6 +20,7 @@ from pagellm.forward_context import set_forward_context
 from pagellm.layers.attention import Attention
 from pagellm.layers.linear import prepack_linears_for_cpu
 from pagellm.models.llama_cpu_fused import enable_fused_cpu_forward
+from pagellm.sample.grammar import grammar_rows
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler, SamplerOutput
 from pagellm.worker.cuda_graphs import (
@@ -28,6 +31,11 @@ from pagellm.worker.cuda_graphs import (
 )
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
 from pagellm.worker.kv_cache import allocate_kv_caches, plan_for_device
+from pagellm.worker.prompt_logprobs import (
+    PromptLogprobsPlan,
+    compute_prompt_logprobs,
+    plan_prompt_logprobs,
+)
 
 logger = logging.getLogger("pagellm")
 
@@ -43,6 +51,10 @@ class PreparedInputs:
     logits_indices: np.ndarray
     # Each sampling sequence's index in the step's request order.
     sample_rows: np.ndarray
+    # Rows that score prompt tokens (SamplingParams.prompt_logprobs); None: no request asked.
+    prompt_logprobs: PromptLogprobsPlan | None = None
+    # Structured outputs: the step's GrammarBitmask (SchedulerOutput.grammar_bitmask), or None.
+    grammar_bitmask: Any = None
 
 
 class ModelRunner:
@@ -56,6 +68,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.eos_token_id = eos_token_id
         self.vocab_size = config.model.vocab_size
+        # KV cache groups (core/kv_cache_groups.py): one for most models; full and
+        # sliding-window layers apart for hybrid ones (one block table per group).
+        self.kv_layout = config.model.kv_cache_layout()
         self.attention_backend = config.device.attention_backend
         # Whether new blocks are zeroed (and attention told padding reads 0): only for
         # backends that gather whole blocks.
@@ -83,6 +98,7 @@ class ModelRunner:
         sched = config.scheduler
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size,
                                       self.vocab_size, self.device, samples=self.tp_rank == 0)
+        self.input_batch.set_num_kv_groups(self.kv_layout.num_groups)
         self.sampler = Sampler(self.generator)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
@@ -100,6 +116,7 @@ class ModelRunner:
         model.eval()
         # Before the fused CPU path, which asks the layers for their backend.
         bind_attention_backends(model, self.attention_backend, self.device)
+        assign_kv_cache_groups(model, self.kv_layout)
         prepack_linears_for_cpu(model)
         enable_fused_cpu_forward(model)
         return model
@@ -109,6 +126,11 @@ class ModelRunner:
         """Plan the KV budget for this device, refuse configurations that cannot serve one request
         of max_model_len, allocate the per-layer caches and return the number of blocks."""
         graph_sizes = planned_capture_sizes(self.config, self.tp_size)
+        if self.kv_layout.num_groups > 1 and graph_sizes:
+            # The graphs replay one block table per step.
+            logger.info("Decode CUDA graphs are off: the model keeps KV in %d groups",
+                        self.kv_layout.num_groups)
+            graph_sizes = []
         reserve = GraphMemoryReserve(graph_sizes, self.config.scheduler.max_num_batched_tokens)
         start = time.perf_counter()
         plan = plan_for_device(self.config, self.weight_bytes, self._profile_peak_activation,
@@ -185,12 +207,14 @@ class ModelRunner:
             if params.seed is not None:
                 gen = torch.Generator(device=self.device)
             batch.add_request(new.req_id, new.prompt_token_ids, new.output_token_ids, params,
-                              new.block_ids, new.num_computed_tokens, gen)
+                              new.block_ids, new.num_computed_tokens, gen, new.group_block_ids)
         cached = so.scheduled_cached_reqs
-        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                                   cached.num_computed_tokens, strict=True):
+        group_ids = cached.new_group_block_ids or [None] * len(cached.req_ids)
+        for req_id, block_ids, num_computed, groups in zip(
+                cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, group_ids,
+                strict=True):
             state = batch.requests[req_id]
-            batch.append_blocks(state, block_ids)
+            batch.append_blocks(state, block_ids, groups)
             state.num_computed_tokens = num_computed
         if self.zero_new_blocks:
             self._zero_new_blocks(so)
@@ -203,8 +227,13 @@ class ModelRunner:
         ids: list[int] = []
         for new in so.scheduled_new_reqs:
             ids += new.block_ids[new.num_computed_tokens // bs:]
+            for group in new.group_block_ids:
+                ids += group[new.num_computed_tokens // bs:]
         for block_ids in so.scheduled_cached_reqs.new_block_ids:
             ids += block_ids
+        for groups in so.scheduled_cached_reqs.new_group_block_ids:
+            for block_ids in groups:
+                ids += block_ids
         if ids and self.kv_caches:
             index = torch.tensor(ids, dtype=torch.long, device=self.device)
             k0 = self.kv_caches[0][0]
@@ -244,6 +273,10 @@ class ModelRunner:
                                  count=len(states))
         sample_mask = seq_lens >= num_tokens
         logits_indices = cu[1:][sample_mask] - 1
+        prompt_plan = None
+        if any(s.sampling_params.prompt_logprobs is not None for s in states):
+            prompt_plan = plan_prompt_logprobs(states, num_computed, num_sched, cu,
+                                               batch.token_ids)
 
         dev = self.device
         meta = AttentionMetadata(
@@ -258,11 +291,28 @@ class ModelRunner:
             is_decode_only=bool((num_sched == 1).all()),
             padding_is_zero=self.zero_new_blocks,
         )
+        if batch.group_block_tables:
+            meta.group_metadata = [meta] + [
+                self._group_metadata(meta, table, rows, token_rows, positions, max_seq_len)
+                for table in batch.group_block_tables]
         return PreparedInputs(
             input_ids=torch.from_numpy(input_ids).to(dev, non_blocking=True),
             positions=torch.from_numpy(positions).to(dev, non_blocking=True),
             attn_metadata=meta, logits_indices=logits_indices,
-            sample_rows=np.nonzero(sample_mask)[0])
+            sample_rows=np.nonzero(sample_mask)[0], prompt_logprobs=prompt_plan,
+            grammar_bitmask=so.grammar_bitmask)
+
+    def _group_metadata(self, meta: AttentionMetadata, table: np.ndarray, rows: np.ndarray,
+                        token_rows: np.ndarray, positions: np.ndarray,
+                        max_seq_len: int) -> AttentionMetadata:
+        """Group 0's metadata with another KV cache group's slots and block tables."""
+        bs, dev = self.block_size, self.device
+        slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        tables = np.ascontiguousarray(table[rows, : -(-max_seq_len // bs)])
+        return dataclasses.replace(
+            meta, slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True), step_plan=None,
+            group_metadata=None)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -274,13 +324,20 @@ class ModelRunner:
         states = [batch.requests[r] for r in order]
         inputs = self._prepare_inputs(so, states)
         hidden = self._forward(inputs)
+        prompt_logprobs = {}
+        if inputs.prompt_logprobs is not None:
+            # Same forward as the prefill; slices no larger than a full sampling step's rows.
+            prompt_logprobs = compute_prompt_logprobs(
+                self.model, hidden, inputs.prompt_logprobs,
+                self.config.scheduler.max_num_seqs, scores=self.tp_rank == 0)
         sampled: list[list[int]] = [[] for _ in states]
         logprobs: list = [None] * len(states)
         if len(inputs.logits_indices):
             self._sample_and_append(hidden, inputs, states, sampled, logprobs)
         for state in states:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
-        return ModelRunnerOutput(req_ids=order, sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(req_ids=order, sampled_token_ids=sampled, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         """Replace some or all weights in place (``LLM.load_weights``); between steps only."""
@@ -310,7 +367,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, idx))
         sample_rows = inputs.sample_rows
         sample_states = [states[i] for i in sample_rows]
-        out = self._sample(logits, sample_states) if self.tp_rank == 0 else None
+        out = (self._sample(logits, sample_states, inputs.grammar_bitmask)
+               if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             # Rank 0's tokens keep every rank's persistent batch identical.
             ids = (out.sampled_token_ids if out is not None else
@@ -329,8 +387,8 @@ class ModelRunner:
             sampled[i] = [tok]
             logprobs[i] = records[j]
 
-    def _sample(self, logits: torch.Tensor, sample_states: list[CachedRequestState]
-                ) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, sample_states: list[CachedRequestState],
+                grammar_bitmask: Any = None) -> SamplerOutput:
         for s in sample_states:
             if s.generator is not None:
                 # Seeded noise depends only on (seed, output position): the same tokens
@@ -353,6 +411,8 @@ class ModelRunner:
             penalties=sampling.penalty_tensors(rows, params),
             logit_bias=sampling.logit_bias(rows),
         )
+        if grammar_bitmask is not None:
+            smeta.grammar_bitmask = grammar_rows(grammar_bitmask, sample_states, self.device)
         return self.sampler(logits, smeta)
 
 
@@ -367,6 +427,19 @@ def bind_attention_backends(model: torch.nn.Module, backend_name: str,
             if module.backend_name is None:
                 module.backend_name = backend_name
             module.get_backend(device).workspace = workspace
+
+
+def assign_kv_cache_groups(model: torch.nn.Module, layout: KVCacheLayout) -> None:
+    """Tell every attention layer which KV cache group's block tables it reads; its window
+    must be its group's (the scheduler frees blocks by the group's window)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            group = layout.group_of_layer[module.layer_idx]
+            if module.sliding_window != layout.groups[group].sliding_window:
+                raise ValueError(f"layer {module.layer_idx}: sliding window "
+                                 f"{module.sliding_window} differs from its KV cache group's "
+                                 f"({layout.groups[group].sliding_window})")
+            module.kv_cache_group = group
 
 
 def _step_seed(seed: int | None, position: int) -> int:

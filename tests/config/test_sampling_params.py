@@ -40,8 +40,12 @@ def test_clone_revalidates() -> None:
 
 
 @pytest.mark.parametrize("k", [0, 1, 20])
-def test_prompt_logprobs_is_refused_not_ignored(k) -> None:
-    # Validated but never computed before: a caller asking for them got none, silently.
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported yet"):
-        SamplingParams(prompt_logprobs=k)
+def test_prompt_logprobs_in_range_are_accepted(k) -> None:
+    assert SamplingParams(prompt_logprobs=k).prompt_logprobs == k
     assert SamplingParams(prompt_logprobs=None).prompt_logprobs is None
+
+
+@pytest.mark.parametrize("k", [-1, 21, 1.5, "2"])
+def test_prompt_logprobs_out_of_range_name_the_field(k) -> None:
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be in \[0, 20\]"):
+        SamplingParams(prompt_logprobs=k)

@@ -42,6 +42,7 @@ def test_constructs_or_value_error(kwargs):
     assert p.seed is None or -2**63 <= p.seed < 2**63
     assert p.max_tokens is None or p.max_tokens >= max(1, p.min_tokens)
     assert p.logprobs is None or 0 <= p.logprobs <= 20
+    assert p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= 20
     assert all(isinstance(s, str) and s for s in p.stop_strs)
     assert all(t >= 0 for t in p.stop_token_ids)
     assert all(k >= 0 and -100 <= v <= 100 for k, v in (p.logit_bias or {}).items())

@@ -120,27 +120,18 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 @pytest.mark.parametrize(("path", "fields", "param"), [
-    (COMPLETIONS, {"guided_json": {"type": "object"}}, "guided_json"),
-    (COMPLETIONS, {"guided_regex": "w[0-9]"}, "guided_regex"),
-    (COMPLETIONS, {"guided_choice": ["w1", "w2"]}, "guided_choice"),
-    (COMPLETIONS, {"guided_grammar": "root ::= 'w1'"}, "guided_grammar"),
-    (COMPLETIONS, {"structured_outputs": {"choice": ["w1"]}}, "structured_outputs"),
-    (COMPLETIONS, {"prompt_logprobs": 0}, "prompt_logprobs"),
+    (COMPLETIONS, {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    (COMPLETIONS, {"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
     (COMPLETIONS, {"use_beam_search": True}, "use_beam_search"),
     (COMPLETIONS, {"bad_words": ["w5"]}, "bad_words"),
     (COMPLETIONS, {"allowed_token_ids": [5]}, "allowed_token_ids"),
     (COMPLETIONS, {"truncate_prompt_tokens": 1}, "truncate_prompt_tokens"),
-    (COMPLETIONS, {"response_format": {"type": "json_object"}}, "response_format"),
     (COMPLETIONS, {"suffix": "w9"}, "suffix"),
     (COMPLETIONS, {"best_of": 3}, "best_of"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"tools": [TOOL]}, "tools"),
-    (CHAT, {"tool_choice": "required"}, "tool_choice"),
-    (CHAT, {"guided_json": {"type": "object"}}, "guided_json"),
-    (CHAT, {"prompt_logprobs": 2}, "prompt_logprobs"),
+    (CHAT, {"functions": [TOOL["function"]]}, "functions"),
     (CHAT, {"bad_words": ["w5"]}, "bad_words"),
-    (CHAT, {"messages": [{"role": "user", "content": "w3"}, {"role": "assistant", "tool_calls": [
-        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+    (CHAT, {"messages": [{"role": "user", "content": "w3"}, {"role": "assistant",
+                                                            "function_call": {"name": "f"}}]},
      "messages"),
 ])
 def test_a_feature_the_server_lacks_is_refused_by_name(path, fields, param):

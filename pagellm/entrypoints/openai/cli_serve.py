@@ -11,7 +11,9 @@ from typing import Any
 
 from pagellm.engine_args import EngineArgs
 from pagellm.entrypoints.openai import limits
+from pagellm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagellm.entrypoints.openai.tenancy import PREFIX_CACHE_SCOPES, load_api_keys
+from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("pagellm")
 
@@ -43,8 +45,25 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "client that someone in its cache namespace sent the same prefix)")
     EngineArgs.add_cli_arg(g, "served_model_name")  # an engine field, spelled as a server flag
     g.add_argument("--chat-template", default=None,
-                   help="Jinja chat template file (or inline template) overriding the "
-                        "tokenizer's")
+                   help="Jinja chat template overriding the tokenizer's: a file, the name of a "
+                        "template shipped with pagellm (chatml_tools: ChatML with tools, in "
+                        "the hermes format), or the template text itself")
+    tools = parser.add_argument_group("tool calling and reasoning (see docs/tool_calling.md)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide when to call tools (tool_choice "auto", the '
+                            "default when a request has tools); needs --tool-call-parser")
+    tools.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how tool calls are read from the model's text: hermes "
+                            "(<tool_call>{json}</tool_call>: Qwen2.5/Qwen3, Hermes, "
+                            "chatml_tools), llama3_json (Llama 3.x JSON calls), mistral "
+                            "([TOOL_CALLS])")
+    tools.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help='leave the tools out of the chat template when tool_choice is "none"'
+                            " (default: the template sees them, as vLLM)")
+    tools.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split <think>...</think> into message.reasoning_content: qwen3 "
+                            "(when the answer opens with <think>) or deepseek_r1 (everything "
+                            "before </think>)")
     g.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction,
                    default=False,
                    help="serve GET /tokenizer_info (vLLM's): the tokenizer's configuration and "
@@ -125,6 +144,7 @@ def run_serve(ns: argparse.Namespace) -> None:
     """Run the server until SIGINT/SIGTERM; raises SystemExit(1) if the engine dies."""
     from pagellm.engine.async_llm import AsyncLLM
     from pagellm.entrypoints.openai.api_server import build_app, serve_http
+    from pagellm.entrypoints.openai.chat_tools import ChatToolOptions
     from pagellm.entrypoints.openai.serving_chat import load_chat_template
 
     _setup_logging()
@@ -136,6 +156,10 @@ def run_serve(ns: argparse.Namespace) -> None:
     try:
         try:
             chat_template = load_chat_template(ns.chat_template)
+            tool_options = ChatToolOptions(
+                enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none)
             server_limits = server_limits_from(ns)
             config = args.create_engine_config()
             api_keys = load_api_keys(ns.api_key, ns.api_key_file, config.env.api_key)
@@ -151,7 +175,8 @@ def run_serve(ns: argparse.Namespace) -> None:
                         prefix_cache_scope=ns.prefix_cache_scope,
                         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
                         health_max_step_s=ns.health_max_step_seconds,
-                        enable_tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint)
+                        enable_tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint,
+                        tool_options=tool_options)
         if ns.host not in ("127.0.0.1", "localhost", "::1") and api_keys is None:
             logger.warning("Serving on %s without --api-key: anyone who can reach this port "
                            "can use the model.", ns.host)

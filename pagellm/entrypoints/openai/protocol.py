@@ -15,6 +15,15 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from pagellm.entrypoints.openai.protocol_tools import (
+    ChatTool,
+    DeltaToolCall,
+    MessageToolCall,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolCall,
+    ToolChoice,
+)
 from pagellm.entrypoints.openai.serving_errors import UNSUPPORTED_PARAMETER
 
 logger = logging.getLogger("pagellm")
@@ -38,21 +47,17 @@ class UnsupportedField:
         return value is not None and not any(value == d for d in self.defaults)
 
 
-_STRUCTURED = "structured output (guided decoding)"
-_TOOLS = "tool or function calling"
+_TOOLS = "legacy function calling (use tools and tool_choice)"
 # OpenAI and vLLM request fields of features pagellm lacks: a request that sets one to a value
 # other than null or its default gets a 400 naming it (code "unsupported_parameter").
 UNSUPPORTED_FIELDS: tuple[UnsupportedField, ...] = (
-    *(UnsupportedField(name, _STRUCTURED) for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")),
-    UnsupportedField("response_format", _STRUCTURED, ({"type": "text"},)),
-    UnsupportedField("tools", _TOOLS, ([],)),
-    # "auto" without tools (refused above) calls nothing: it asks for nothing.
-    UnsupportedField("tool_choice", _TOOLS, ("none", "auto")),
+    # Structured output has one backend (xgrammar) and no whitespace pattern of its own
+    # (structured_outputs.disable_any_whitespace drops free whitespace instead).
+    UnsupportedField("guided_decoding_backend", "per-request structured-output backends"),
+    UnsupportedField("guided_whitespace_pattern", "custom whitespace patterns for structured "
+                     "output (structured_outputs.disable_any_whitespace removes free whitespace)"),
     UnsupportedField("functions", _TOOLS, ([],)),
     UnsupportedField("function_call", _TOOLS, ("none", "auto")),
-    UnsupportedField("prompt_logprobs", "logprobs of prompt tokens"),
     UnsupportedField("use_beam_search", "beam search", (False,)),
     UnsupportedField("length_penalty", "beam search", (1.0,)),
     UnsupportedField("bad_words", "banned words", ([],)),
@@ -82,6 +87,16 @@ UNSUPPORTED_FIELDS: tuple[UnsupportedField, ...] = (
     UnsupportedField("verbosity", "verbosity controls", (), ("chat",)),
     UnsupportedField("kv_transfer_params", "disaggregated prefill"),
     UnsupportedField("vllm_xargs", "vLLM extension arguments"),
+    # SGLang's fields, which vllm-router adds to every request it forwards, at these values.
+    UnsupportedField("no_stop_trim", "untrimmed stop strings (use include_stop_str_in_output)",
+                     (False,)),
+    UnsupportedField("return_hidden_states", "hidden-state output", (False,)),
+    UnsupportedField("separate_reasoning", "reasoning left inside the content", (True,),
+                     ("chat",)),
+    UnsupportedField("stream_reasoning", "reasoning sent only at the end of a stream", (True,),
+                     ("chat",)),
+    UnsupportedField("include_reasoning", "dropping the reasoning from the answer", (True,),
+                     ("chat",)),
 )
 _UNSUPPORTED = {(ep, f.name): f for f in UNSUPPORTED_FIELDS for ep in f.endpoints}
 # OpenAI fields that change nothing about the output: accepted and ignored without a word.
@@ -108,7 +123,8 @@ class OpenAIModel(BaseModel):
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
+    include_usage: bool = False  # one last chunk with the request's usage
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class SamplingFields(OpenAIModel):
@@ -136,8 +152,17 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     priority: int = 0  # lower is served sooner; needs --scheduling-policy priority
+    # vLLM's: each prompt token's logprob (the first's is null) plus the top-N, in the response.
+    prompt_logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Structured output (structured_request.py): at most one of these asks for a constraint.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("cache_salt")
     @classmethod
@@ -147,6 +172,13 @@ class SamplingFields(OpenAIModel):
         if salt == "":
             raise ValueError("cache_salt must be a non-empty string if given.")
         return salt
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_range(cls, k: int | None) -> int | None:
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {k}.")
+        return k
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingFields:
@@ -207,13 +239,14 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
     @model_validator(mode="after")
-    def _no_tool_calls(self) -> ChatMessage:
-        # The chat template would render the message without them.
-        for name in ("tool_calls", "function_call"):
-            if (self.model_extra or {}).get(name):
-                raise unsupported(name, _TOOLS, "messages")
+    def _no_function_call(self) -> ChatMessage:
+        # The legacy field: the chat template would render the message without it.
+        if (self.model_extra or {}).get("function_call"):
+            raise unsupported("function_call", _TOOLS, "messages")
         return self
 
 
@@ -227,6 +260,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = True  # false: at most one call
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -262,12 +298,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry in vLLM's ``prompt_logprobs`` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's shape: one entry per prompt token, null for the first.
+PromptLogprobsList = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -296,6 +345,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the thinking, apart
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -313,11 +364,14 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsList | None = None  # vLLM's, when the request asks
 
 
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

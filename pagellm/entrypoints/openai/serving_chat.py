@@ -9,7 +9,14 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagellm.engine.async_llm import AsyncLLM, RequestStream
+from pagellm.entrypoints.openai.chat_output import ChatReading
+from pagellm.entrypoints.openai.chat_tools import (
+    ChatToolOptions,
+    plan_tools,
+    template_tool_fields,
+)
 from pagellm.entrypoints.openai.limits import ServerLimits
+from pagellm.entrypoints.openai.prompt_logprobs import prompt_logprobs_json
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -33,24 +40,36 @@ from pagellm.entrypoints.openai.serving_engine import (
     merge_streams,
     sse,
     sse_error,
+    stream_usage_modes,
 )
 from pagellm.entrypoints.openai.serving_errors import bad_request
+from pagellm.entrypoints.openai.structured_request import (
+    constraint_errors,
+    resolve_structured_outputs,
+)
+from pagellm.entrypoints.openai.templates import shipped_template, shipped_template_names
 from pagellm.outputs import SampleLogprobs
 
 _MIN_LOGPROB = -9999.0
 
 
 def load_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a file path, or the template text itself."""
+    """``--chat-template``: a file path, the name of a template shipped with pagellm
+    (``chatml_tools``), or the template text itself."""
     if value is None:
         return None
     try:
         with open(value, encoding="utf-8") as f:
             return f.read()
     except OSError:
+        shipped = shipped_template(value)
+        if shipped is not None:
+            return shipped
         if any(c in value for c in "{}\n"):
             return value  # inline Jinja
-        raise ValueError(f"--chat-template: cannot read the file {value!r}.") from None
+        raise ValueError(f"--chat-template: cannot read the file {value!r} (nor is it one of "
+                         f"the shipped templates: {', '.join(shipped_template_names())})."
+                         ) from None
 
 
 class ChatRenderer:
@@ -70,9 +89,10 @@ class ChatRenderer:
             return fallback if isinstance(fallback, str) else None
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> list[int]:
+               continue_final_message: bool = False,
+               tools: list[dict[str, Any]] | None = None) -> list[int]:
         conversation = []
-        for m in messages:
+        for index, m in enumerate(messages):
             content = m.content
             if isinstance(content, list):
                 texts = []
@@ -85,13 +105,14 @@ class ChatRenderer:
             entry = {"role": m.role, "content": content or ""}
             if m.name:
                 entry["name"] = m.name
+            entry.update(template_tool_fields(m, index))
             conversation.append(entry)
         if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("This model has no chat template; start the server with "
                               "--chat-template FILE.", "messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, chat_template=self.chat_template, tokenize=False,
+                conversation, chat_template=self.chat_template, tokenize=False, tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message)
         except Exception as e:  # Jinja errors (e.g. "roles must alternate") are the user's
@@ -105,28 +126,40 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, engine: AsyncLLM, models: ServedModels, renderer: ChatRenderer,
                  limits: ServerLimits | None = None,
-                 tokenizer_pool: TokenizerPool | None = None) -> None:
+                 tokenizer_pool: TokenizerPool | None = None,
+                 tool_options: ChatToolOptions | None = None) -> None:
         super().__init__(engine, models, limits, tokenizer_pool)
         self.renderer = renderer
+        self.tool_options = tool_options or ChatToolOptions()
 
     async def handle(self, req: ChatCompletionRequest, request_id: str
                      ) -> JSONResponse | StreamingResponse:
         model = self.models.check(req.model)
         max_tokens = req.max_completion_tokens or req.max_tokens
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, num_logprobs)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_options)
+        structured, constraint = resolve_structured_outputs(req, plan.constraint)
+        if req.prompt_logprobs is not None and req.stream:  # as vLLM
+            raise bad_request("prompt_logprobs is not available when stream is true.",
+                              "prompt_logprobs")
+        params = self.sampling_params(req, max_tokens, num_logprobs, req.prompt_logprobs,
+                                      structured_outputs=structured)
+        reading = ChatReading.for_request(plan, self.tool_options, structured is not None)
+        if plan.parser is not None and plan.parser.needs_special_tokens:
+            params = params.clone(skip_special_tokens=False)  # the call marker is one
         # Rendering a long conversation is template work plus tokenization: off the loop.
         ids = await self.tokenizer_pool.run(self.renderer.render, req.messages,
                                             req.add_generation_prompt,
-                                            req.continue_final_message)
+                                            req.continue_final_message, plan.template_tools)
         self.check_prompt(ids, max_tokens, "max_completion_tokens"
                           if req.max_completion_tokens else "max_tokens")
         prompt: dict = {"prompt_token_ids": ids}
         if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt
-        streams = self.start(request_id, [prompt], params, req.stream, req.priority)
+        with constraint_errors(constraint):
+            streams = self.start(request_id, [prompt], params, req.stream, req.priority)
         if req.stream:
-            return StreamingResponse(self._stream(req, request_id, model, streams[0]),
+            return StreamingResponse(self._stream(req, request_id, model, streams[0], reading),
                                      media_type="text/event-stream")
         (out,) = await final_outputs(streams)
         choices, num_completion = [], 0
@@ -134,14 +167,18 @@ class OpenAIServingChat(OpenAIServing):
             num_completion += len(c.token_ids)
             logprobs = (self.chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0)
                         if req.logprobs else None)
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                      logprobs=logprobs, finish_reason=c.finish_reason,
-                                      stop_reason=c.stop_reason))
+            message, finish_reason = (reading.message(c.text, c.finish_reason) if reading
+                                      else (ChatResponseMessage(content=c.text), c.finish_reason))
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
+                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
         num_prompt = len(out.prompt_token_ids)
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                           total_tokens=num_prompt + num_completion,
                           prompt_tokens_details=self.prompt_details(out.num_cached_tokens))
-        body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        body = ChatCompletionResponse(
+            id=request_id, model=model, choices=choices, usage=usage,
+            prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs)
+            if req.prompt_logprobs is not None else None)
         return JSONResponse(body.model_dump())
 
     def chat_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs,
@@ -168,35 +205,61 @@ class OpenAIServingChat(OpenAIServing):
                                    choices=choices, usage=usage).model_dump()
         for choice in data["choices"]:  # OpenAI omits unset delta fields
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            for call in choice["delta"].get("tool_calls", ()):
+                _drop_nones(call)
         return sse(data)
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str,
-                      stream: RequestStream) -> AsyncIterator[str]:
+                      stream: RequestStream, reading: ChatReading | None = None
+                      ) -> AsyncIterator[str]:
         created = int(time.time())
+        # One parser state per choice (a reasoning block, a half-written call).
+        choice_deltas = [reading.choice_deltas() for _ in range(req.n)] if reading else None
         num_completion = num_cached = 0
+        num_prompt = len(stream.prompt_token_ids)
+        usage_each_chunk, usage_at_end = stream_usage_modes(req.stream_options)
+
+        def running_usage() -> UsageInfo | None:  # continuous_usage_stats: the counts so far
+            return (self.usage(num_prompt, num_completion, num_cached) if usage_each_chunk
+                    else None)
+
         try:
             # The first delta of every choice carries the role.
             for i in range(req.n):
                 yield self._chunk(request_id, created, model, [ChatStreamChoice(
-                    index=i, delta=DeltaMessage(role="assistant", content=""))])
+                    index=i, delta=DeltaMessage(role="assistant", content=""))],
+                    running_usage())
             async for _, out in merge_streams([stream]):
                 num_cached = out.num_cached_tokens
                 for c in out.outputs:
                     num_completion += len(c.token_ids)
-                    if not (c.text or c.finish_reason or (req.logprobs and c.token_ids)):
+                    delta: DeltaMessage | None = DeltaMessage(content=c.text)
+                    finish_reason = c.finish_reason
+                    if choice_deltas is not None:
+                        delta, finish_reason = choice_deltas[c.index].feed(c.text,
+                                                                           c.finish_reason)
+                    has_delta = delta is not None if choice_deltas is not None else c.text
+                    if not (has_delta or finish_reason or (req.logprobs and c.token_ids)):
                         continue
                     logprobs = (self.chat_logprobs(c.token_ids, c.logprobs or [],
                                                    req.top_logprobs or 0)
                                 if req.logprobs else None)
                     yield self._chunk(request_id, created, model, [ChatStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
-            if req.stream_options is not None and req.stream_options.include_usage:
-                num_prompt = len(stream.prompt_token_ids)
-                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                                  total_tokens=num_prompt + num_completion,
-                                  prompt_tokens_details=self.prompt_details(num_cached))
-                yield self._chunk(request_id, created, model, [], usage)
+                        index=c.index, delta=delta or DeltaMessage(), logprobs=logprobs,
+                        finish_reason=finish_reason, stop_reason=c.stop_reason)],
+                        running_usage())
+            if usage_at_end:
+                yield self._chunk(request_id, created, model, [],
+                                  self.usage(num_prompt, num_completion, num_cached))
         except Exception as e:
             yield sse_error(e, request_id)
         yield SSE_DONE
+
+
+def _drop_nones(value: dict[str, Any]) -> None:
+    """A streamed tool call's unset fields are left out, as OpenAI sends them."""
+    for key in [k for k, v in value.items() if v is None]:
+        del value[key]
+    for v in value.values():
+        if isinstance(v, dict):
+            _drop_nones(v)

@@ -27,6 +27,8 @@ from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.protocol import (
     PromptTokensDetails,
     SamplingFields,
+    StreamOptions,
+    UsageInfo,
     random_id,
 )
 from pagellm.entrypoints.openai.serving_errors import (
@@ -39,7 +41,7 @@ from pagellm.entrypoints.openai.serving_errors import (
 )
 from pagellm.errors import EngineSleepingError
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagellm")
 
@@ -166,7 +168,9 @@ class OpenAIServing:
                               headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         self.check_limits(req)
         logit_bias = None
         if req.logit_bias:
@@ -189,9 +193,10 @@ class OpenAIServing:
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                logit_bias=logit_bias)
+                logit_bias=logit_bias, structured_outputs=structured_outputs)
         except ValueError as e:
             # "SamplingParams.top_p must be ..." -> name the request field instead.
             raise bad_request(str(e).removeprefix("SamplingParams.")) from None
@@ -249,6 +254,11 @@ class OpenAIServing:
             raise
         return streams
 
+    def usage(self, num_prompt: int, num_completion: int, num_cached: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                         total_tokens=num_prompt + num_completion,
+                         prompt_tokens_details=self.prompt_details(num_cached))
+
     def prompt_details(self, num_cached: int) -> PromptTokensDetails | None:
         """usage.prompt_tokens_details: None (absent) unless --enable-prompt-tokens-details."""
         if not self.enable_prompt_tokens_details:
@@ -259,6 +269,15 @@ class OpenAIServing:
         if decoded is not None:
             return decoded
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def stream_usage_modes(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(usage on every chunk, a final usage chunk) for a stream's ``stream_options``.
+    continuous_usage_stats alone is enough for the first (vLLM also wants include_usage:
+    a client that asks for usage on every chunk gets it either way)."""
+    if options is None:
+        return False, False
+    return options.continuous_usage_stats, options.include_usage
 
 
 def close_all(streams: Sequence[RequestStream]) -> None:

@@ -1,0 +1,152 @@
+"""What a chat request's tools and tool_choice mean for the prompt, the constraint and the
+reading of the answer (vLLM's rules):
+
+- ``none``: no call is read from the answer (the tools still reach the chat template unless
+  --exclude-tools-when-tool-choice-none).
+- ``auto`` (the default when tools are given): the model decides; the answer is read with
+  --tool-call-parser, which needs --enable-auto-tool-choice (else a 400).
+- ``required``: the answer is constrained to a JSON array of ``{"name", "parameters"}`` objects,
+  one of the tools each, at least one (at most one with parallel_tool_calls false).
+- ``{"type": "function", "function": {"name": N}}``: the answer is constrained to N's parameters
+  schema and is N's arguments."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pagellm.entrypoints.openai.protocol_tools import ChatTool, NamedToolChoice
+from pagellm.entrypoints.openai.serving_errors import bad_request
+from pagellm.entrypoints.openai.structured_request import Constraint
+from pagellm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
+from pagellm.entrypoints.openai.tool_parsers.forced_tool_parsers import (
+    NamedFunctionParser,
+    RequiredToolsParser,
+)
+
+if TYPE_CHECKING:
+    from pagellm.entrypoints.openai.protocol import ChatMessage
+
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ChatToolOptions:
+    """The server's tool-calling and reasoning flags."""
+
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    tool_call_parser: str | None = None  # --tool-call-parser
+    reasoning_parser: str | None = None  # --reasoning-parser
+    exclude_tools_when_tool_choice_none: bool = False  # --exclude-tools-when-tool-choice-none
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)  # an unknown name fails at start-up
+        if self.reasoning_parser is not None:
+            from pagellm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)
+
+
+@dataclass
+class ToolPlan:
+    template_tools: list[dict[str, Any]] | None  # the chat template's ``tools``
+    constraint: Constraint | None  # required / named: the answer's JSON schema
+    parser: ToolParser | None  # how the answer is read; None: plain content
+    max_calls: int | None  # 1 with parallel_tool_calls false
+
+
+def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice | None,
+               parallel_tool_calls: bool | None, options: ChatToolOptions) -> ToolPlan:
+    tools = tools or []
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    max_calls = 1 if parallel_tool_calls is False else None
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: two tools have the same function name.", "tools")
+    template_tools = [t.model_dump(exclude_none=True) for t in tools] or None
+    if tool_choice == "none":
+        if options.exclude_tools_when_tool_choice_none:
+            template_tools = None
+        return ToolPlan(template_tools, None, None, max_calls)
+    if not tools:
+        if tool_choice == "auto":
+            return ToolPlan(None, None, None, max_calls)  # nothing to call
+        raise bad_request("tool_choice needs tools: the request has none.", "tool_choice")
+    if tool_choice == "auto":
+        if not options.enable_auto_tool_choice or options.tool_call_parser is None:
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and '
+                              "--tool-call-parser to be set.", "tool_choice")
+        return ToolPlan(template_tools, None, get_tool_parser(options.tool_call_parser),
+                        max_calls)
+    if tool_choice == "required":
+        schema = required_tools_schema(tools, max_calls)
+        return ToolPlan(template_tools, Constraint("tool_choice", "json", schema),
+                        RequiredToolsParser(), max_calls)
+    assert isinstance(tool_choice, NamedToolChoice)
+    name = tool_choice.function.name
+    tool = next((t for t in tools if t.function.name == name), None)
+    if tool is None:
+        raise bad_request(f"tool_choice names the function {name!r}, which is not among the "
+                          "tools.", "tool_choice")
+    schema = tool.function.parameters or _ANY_OBJECT
+    return ToolPlan(template_tools, Constraint("tool_choice", "json", schema),
+                    NamedFunctionParser(name), max_calls)
+
+
+def required_tools_schema(tools: list[ChatTool], max_calls: int | None) -> dict[str, Any]:
+    """An array of calls, each ``{"name": <one tool's name>, "parameters": <its schema>}``.
+    The tools' ``$defs`` move to the top, where their ``#/$defs/...`` references point."""
+    defs: dict[str, Any] = {}
+    variants = []
+    for tool in tools:
+        params = copy.deepcopy(tool.function.parameters) if tool.function.parameters \
+            else dict(_ANY_OBJECT)
+        if not isinstance(params.get("$defs", {}), dict):
+            raise bad_request(f"tools: {tool.function.name}'s $defs must be an object.", "tools")
+        for key, value in (params.pop("$defs", None) or {}).items():
+            if key in defs and defs[key] != value:
+                raise bad_request(f"tools: two tools define $defs/{key} differently.", "tools")
+            defs[key] = value
+        variants.append({
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                           "parameters": params},
+            "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": {"type": "object", "anyOf": variants}}
+    if max_calls is not None:
+        schema["maxItems"] = max_calls
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def template_tool_fields(message: ChatMessage, index: int) -> dict[str, Any]:
+    """A history message's tool_calls and tool_call_id as the chat template gets them: the
+    calls' arguments as dicts (OpenAI sends JSON text; templates write them with tojson)."""
+    fields: dict[str, Any] = {}
+    if message.tool_calls:
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            arguments = call.function.arguments
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else {}
+                except ValueError:
+                    raise bad_request(f"messages[{index}].tool_calls[{j}].function.arguments "
+                                      "is not valid JSON.", "messages") from None
+            entry: dict[str, Any] = {"type": "function", "function": {
+                "name": call.function.name, "arguments": arguments}}
+            if call.id is not None:
+                entry["id"] = call.id
+            calls.append(entry)
+        fields["tool_calls"] = calls
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    return fields
