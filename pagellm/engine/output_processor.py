@@ -10,9 +10,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagellm.core.sched_output import EngineCoreOutput, Logprobs
+from pagellm.core.sched_output import EngineCoreOutput, Logprobs, PromptLogprobs
 from pagellm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, decode_token
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.outputs import PromptLogprobs as PromptLogprobList
 from pagellm.request import FinishReason
 from pagellm.sampling_params import SamplingParams
 
@@ -50,6 +51,10 @@ class RequestState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_unfinished: int = 0
+    # params.prompt_logprobs: filled by position as the prefill chunks are scored (a chunk
+    # scored again after a preemption overwrites the same values); DELTA sends it once.
+    prompt_logprobs: PromptLogprobList | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -98,7 +103,9 @@ class OutputProcessor:
             self._parent_of[cid] = request_id
         self.requests[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, kind, samples, queue,
-            arrival_time=arrival_time or time.monotonic(), num_unfinished=len(child_ids))
+            arrival_time=arrival_time or time.monotonic(), num_unfinished=len(child_ids),
+            prompt_logprobs=([None] * len(prompt_token_ids)
+                             if params.prompt_logprobs is not None else None))
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns its child ids for the engine core to abort."""
@@ -125,6 +132,10 @@ class OutputProcessor:
             sample = state.samples[out.req_id]
             if sample.finish_reason is not None:
                 continue
+            if out.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, out.prompt_logprobs)
+            if not out.new_token_ids and out.finish_reason is None:
+                continue  # a prefill chunk's prompt logprobs: nothing to send yet
             if out.new_token_ids and self._update_sample(state, sample, out, now):
                 reqs_to_stop.append(out.req_id)
             if sample.finish_reason is None and out.finish_reason is not None:
@@ -192,15 +203,16 @@ class OutputProcessor:
         # detokenize=False: no decoded_token either (None, as vLLM).
         tok = None if isinstance(sample.detok, TokenIdsOnly) else self.tokenizer
         for rec in records:
-            entry = {rec.sampled_token_id: Logprob(rec.sampled_logprob, rec.sampled_rank,
-                                                   _decode(tok, rec.sampled_token_id))}
-            for rank, (tid, lp) in enumerate(zip(rec.top_token_ids, rec.top_logprobs,
-                                                 strict=True), start=1):
-                if tid not in entry:
-                    entry[tid] = Logprob(lp, rank, _decode(tok, tid))
-            sample.logprobs.append(entry)
+            sample.logprobs.append(_logprob_entry(tok, rec))
             assert sample.cumulative_logprob is not None
             sample.cumulative_logprob += rec.sampled_logprob
+
+    def _add_prompt_logprobs(self, state: RequestState, chunk: PromptLogprobs) -> None:
+        if state.prompt_logprobs is None:
+            return
+        tok = self.tokenizer if state.params.detokenize else None
+        for pos, rec in enumerate(chunk.records, start=chunk.start):
+            state.prompt_logprobs[pos] = _logprob_entry(tok, rec)
 
     def _completion(self, sample: _Sample, delta: bool) -> CompletionOutput:
         finished = sample.finish_reason is not None
@@ -230,10 +242,28 @@ class OutputProcessor:
         if state.first_token_time is not None:
             metrics["first_token_time"] = state.first_token_time
             metrics["last_token_time"] = state.last_token_time or state.first_token_time
+        prompt_logprobs = state.prompt_logprobs
+        if state.kind is OutputKind.DELTA and prompt_logprobs is not None:
+            # Once, complete (n > 1: a sibling's first token may come before sample 0's scores).
+            ready = not state.prompt_logprobs_sent and all(e is not None
+                                                           for e in prompt_logprobs[1:])
+            state.prompt_logprobs_sent |= ready
+            prompt_logprobs = prompt_logprobs if ready else None
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=outputs,
                              finished=state.finished, num_cached_tokens=state.num_cached_tokens,
-                             metrics=metrics)
+                             metrics=metrics, prompt_logprobs=prompt_logprobs)
+
+
+def _logprob_entry(tokenizer: Any, rec: Logprobs) -> dict[int, Logprob]:
+    """One token's logprobs as vLLM shapes them: the token itself first, then the top-N."""
+    entry = {rec.sampled_token_id: Logprob(rec.sampled_logprob, rec.sampled_rank,
+                                           _decode(tokenizer, rec.sampled_token_id))}
+    for rank, (tid, lp) in enumerate(zip(rec.top_token_ids, rec.top_logprobs, strict=True),
+                                     start=1):
+        if tid not in entry:
+            entry[tid] = Logprob(lp, rank, _decode(tokenizer, tid))
+    return entry
 
 
 def _decode(tokenizer: Any, token_id: int) -> str | None:

@@ -1,4 +1,4 @@
-"""The ``pagellm`` command: generate, chat, serve, bench, plan."""
+"""The ``pagellm`` command: generate, chat, serve, bench, plan, warmup."""
 
 from __future__ import annotations
 
@@ -123,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_optional_commands(sub: Any) -> None:
     """Commands that live in their own modules."""
     from pagellm.benchmarks.cli import add_bench_parser
+    from pagellm.entrypoints.warmup import add_warmup_parser
 
     add_bench_parser(sub)
+    add_warmup_parser(sub)
     try:
         from pagellm.entrypoints.openai.cli_serve import add_serve_parser
     except ImportError:

@@ -65,6 +65,22 @@ def test_greedy_tokens_and_logprobs_match_tp1(engines, arch) -> None:
                 assert lg[tok].logprob == pytest.approx(lw[tok].logprob, abs=1e-4)
 
 
+def test_prompt_logprobs_match_tp1(engines) -> None:
+    """The LM head gathers the vocabulary shards (qwen2: an uneven split) for the prompt rows
+    too, on every rank; rank 0 alone scores them, across chunks and preemptions."""
+    tp1, tp2 = engines("qwen2")
+    ps = prompts(6, tp1.llm_engine.config.model.vocab_size, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    want, got = run(tp1, ps, params), run(tp2, ps, params)
+    for w, g in zip(want, got, strict=True):
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) > 1
+        assert g.prompt_logprobs[0] is None and w.prompt_logprobs[0] is None
+        for ew, eg in zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:], strict=True):
+            assert ew.keys() == eg.keys()
+            for tok in ew:
+                assert eg[tok].logprob == pytest.approx(ew[tok].logprob, abs=1e-4)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_seeded_sampling_matches_tp1(engines, arch) -> None:
     """Only rank 0 samples; the other rank must follow its tokens, not draw its own."""

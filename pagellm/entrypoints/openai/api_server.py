@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 import pagellm
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.chat_tools import ChatToolOptions
 from pagellm.entrypoints.openai.limits import RequestLimitsMiddleware, ServerLimits
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -33,6 +34,7 @@ from pagellm.entrypoints.openai.serving_errors import (
     bad_request,
     error_body,
     install_error_handlers,
+    model_not_found,
 )
 from pagellm.entrypoints.openai.serving_tokenization import tokenizer_info
 from pagellm.entrypoints.openai.tenancy import (
@@ -108,12 +110,15 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
               limits: ServerLimits | None = None, prefix_cache_scope: str = "key",
               enable_prompt_tokens_details: bool = False,
               health_max_step_s: float = 0.0,
-              enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+              enable_tokenizer_info_endpoint: bool = False,
+              tool_options: ChatToolOptions | None = None) -> FastAPI:
     """``api_key``: one key or several (ApiKeys); with ``prefix_cache_scope`` "key" each key's
     tenant gets its own prefix-cache namespace (a request's cache_salt narrows it further).
     ``health_max_step_s`` (> 0): /health answers 503 once requests have waited this long for
     an engine step (a wedged engine); ``pagellm serve`` sets it (--health-max-step-seconds).
-    ``enable_tokenizer_info_endpoint``: add GET /tokenizer_info (it shows the chat template)."""
+    ``enable_tokenizer_info_endpoint``: add GET /tokenizer_info (it shows the chat template).
+    ``tool_options``: tool calling and reasoning (--enable-auto-tool-choice, --tool-call-parser,
+    --reasoning-parser, ...)."""
     if prefix_cache_scope not in PREFIX_CACHE_SCOPES:
         raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, got "
                          f"{prefix_cache_scope!r}")
@@ -126,7 +131,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
     # One pool for every endpoint: the tokenizer is one object, used by one thread at a time.
     tokenizer_pool = TokenizerPool(engine.tokenizer)
     completions = OpenAIServingCompletion(engine, models, limits, tokenizer_pool)
-    chat = OpenAIServingChat(engine, models, renderer, limits, tokenizer_pool)
+    chat = OpenAIServingChat(engine, models, renderer, limits, tokenizer_pool, tool_options)
     for serving in (completions, chat):
         serving.enable_prompt_tokens_details = enable_prompt_tokens_details
 
@@ -178,11 +183,24 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
     async def version() -> dict:
         return {"version": pagellm.__version__}
 
+    @app.get("/get_load")
+    async def get_load() -> dict:
+        # vllm-router's power_of_two polls this (without a key): sequences in the engine.
+        return {"load": engine.num_unfinished_requests}
+
     @app.get("/v1/models")
     async def list_models() -> dict:
         cards = [ModelCard(id=name, root=models.root, max_model_len=models.max_model_len)
                  for name in models.names]
         return ModelList(data=cards).model_dump()
+
+    # ":path": a served name may hold "/" (an SDK sends it as %2F, which arrives decoded).
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict:
+        if model_id not in models.names:
+            raise model_not_found(model_id)
+        return ModelCard(id=model_id, root=models.root,
+                         max_model_len=models.max_model_len).model_dump()
 
     @app.post("/v1/completions")
     @with_cancellation

@@ -9,6 +9,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagellm.engine.async_llm import RequestStream
 from pagellm.engine.input_processor import PromptType
+from pagellm.entrypoints.openai.prompt_logprobs import MIN_LOGPROB as _MIN_LOGPROB
+from pagellm.entrypoints.openai.prompt_logprobs import (
+    prompt_logprobs_json,
+    resolve_prompt_logprobs,
+    without_generation,
+)
 from pagellm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -23,11 +29,14 @@ from pagellm.entrypoints.openai.serving_engine import (
     merge_streams,
     sse,
     sse_error,
+    stream_usage_modes,
 )
 from pagellm.entrypoints.openai.serving_errors import bad_request
-from pagellm.outputs import CompletionOutput, SampleLogprobs
-
-_MIN_LOGPROB = -9999.0  # JSON has no -inf
+from pagellm.entrypoints.openai.structured_request import (
+    constraint_errors,
+    resolve_structured_outputs,
+)
+from pagellm.outputs import CompletionOutput, Logprob, PromptLogprobs, SampleLogprobs
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -70,9 +79,19 @@ class OpenAIServingCompletion(OpenAIServing):
     async def handle(self, req: CompletionRequest, request_id: str
                      ) -> JSONResponse | StreamingResponse:
         model = self.models.check(req.model)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        if req.prompt_logprobs is not None and req.stream:  # as vLLM
+            raise bad_request("prompt_logprobs is not available when stream is true.",
+                              "prompt_logprobs")
+        # echo with max_tokens 0 scores the prompt without generating (lm-eval, as vLLM): the
+        # engine samples one token to finish the request, and the answer leaves it out.
+        echo_only = req.echo and req.max_tokens == 0
+        structured, constraint = resolve_structured_outputs(req)
+        params = self.sampling_params(
+            req, 1 if echo_only else req.max_tokens, req.logprobs,
+            resolve_prompt_logprobs(req.prompt_logprobs, req.echo, req.logprobs), structured)
         prompts = await self.prompts(req)
-        streams = self.start(request_id, prompts, params, req.stream, req.priority)
+        with constraint_errors(constraint):
+            streams = self.start(request_id, prompts, params, req.stream, req.priority)
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, model, streams),
                                      media_type="text/event-stream")
@@ -83,9 +102,11 @@ class OpenAIServingCompletion(OpenAIServing):
             num_cached += out.num_cached_tokens
             prompt_text = self._prompt_text(streams[pi]) if req.echo else ""
             for c in out.outputs:
+                if echo_only:
+                    c = without_generation(c)
                 num_completion += len(c.token_ids)
                 choices.append(self._choice(req, pi * req.n + c.index, c, streams[pi],
-                                            prompt_text, 0))
+                                            prompt_text, 0, out.prompt_logprobs))
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                           total_tokens=num_prompt + num_completion,
                           prompt_tokens_details=self.prompt_details(num_cached))
@@ -98,26 +119,41 @@ class OpenAIServingCompletion(OpenAIServing):
         return self.tokenizer.decode(stream.prompt_token_ids)
 
     def _choice(self, req: CompletionRequest, index: int, c: CompletionOutput,
-                stream: RequestStream, echo_text: str, offset: int) -> CompletionChoice:
+                stream: RequestStream, echo_text: str, offset: int,
+                prompt_logprobs: PromptLogprobs | None = None) -> CompletionChoice:
         """``echo_text`` is prepended (the prompt, in the first chunk of an echoed choice);
-        ``offset`` is the text offset where this piece starts."""
+        ``offset`` is the text offset where this piece starts; ``prompt_logprobs`` are the
+        prompt's scores (the echoed tokens' logprobs, and vLLM's field when asked)."""
         logprobs = None
         if req.logprobs is not None:
             echo_ids = stream.prompt_token_ids if echo_text else []
-            logprobs = self.completion_logprobs(c.token_ids, c.logprobs or [], echo_ids, offset)
+            logprobs = self.completion_logprobs(c.token_ids, c.logprobs or [], echo_ids, offset,
+                                                prompt_logprobs, req.logprobs)
         return CompletionChoice(index=index, text=echo_text + c.text, logprobs=logprobs,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                prompt_logprobs=prompt_logprobs_json(prompt_logprobs)
+                                if req.prompt_logprobs is not None else None)
 
     def completion_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs,
-                            echo_ids: list[int], offset: int) -> CompletionLogprobs:
-        """OpenAI's legacy shape. Echoed prompt tokens carry no logprobs (null); each sampled
-        token's ``top_logprobs`` holds the top-N tokens plus the sampled one."""
+                            echo_ids: list[int], offset: int,
+                            echo_logprobs: PromptLogprobs | None = None,
+                            num_top: int = 0) -> CompletionLogprobs:
+        """OpenAI's legacy shape. Echoed prompt tokens carry their scores from
+        ``echo_logprobs`` (the first one's is null: nothing precedes it); each token's
+        ``top_logprobs`` holds the top-``num_top`` tokens plus the token itself."""
         out = CompletionLogprobs()
-        for tid in echo_ids:
-            tok = self.token_str(tid, None)
+        for i, tid in enumerate(echo_ids):
+            entry = echo_logprobs[i] if echo_logprobs is not None else None
+            tok = self.token_str(tid, entry[tid].decoded_token if entry else None)
             out.tokens.append(tok)
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
+            if entry is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                out.token_logprobs.append(max(entry[tid].logprob, _MIN_LOGPROB))
+                out.top_logprobs.append(self._top_logprobs(
+                    {t: lp for t, lp in entry.items()
+                     if t == tid or (lp.rank is not None and lp.rank <= num_top)}))
             out.text_offset.append(offset)
             offset += len(tok)
         for tid, entries in zip(token_ids, logprobs, strict=False):
@@ -125,11 +161,19 @@ class OpenAIServingCompletion(OpenAIServing):
             tok = self.token_str(tid, sampled.decoded_token)
             out.tokens.append(tok)
             out.token_logprobs.append(max(sampled.logprob, _MIN_LOGPROB))
-            out.top_logprobs.append({self.token_str(t, lp.decoded_token):
-                                     max(lp.logprob, _MIN_LOGPROB) for t, lp in entries.items()})
+            out.top_logprobs.append(self._top_logprobs(entries))
             out.text_offset.append(offset)
             offset += len(tok)
         return out
+
+    def _top_logprobs(self, entries: dict[int, Logprob]) -> dict[str, float]:
+        """Token string -> logprob. Tokens that decode alike (byte pieces all read "\ufffd")
+        share a key, which keeps the likeliest: the top entry stays the top entry."""
+        top: dict[str, float] = {}
+        for t, lp in entries.items():
+            key = self.token_str(t, lp.decoded_token)
+            top[key] = max(top.get(key, _MIN_LOGPROB), lp.logprob, _MIN_LOGPROB)
+        return top
 
     async def _stream(self, req: CompletionRequest, request_id: str, model: str,
                       streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -138,10 +182,17 @@ class OpenAIServingCompletion(OpenAIServing):
         num_completion = 0
         offsets: dict[int, int] = {}  # choice index -> text offset so far
         cached: dict[int, int] = {}  # prompt index -> its prefix-cache hit
+        prompt_scores: dict[int, PromptLogprobs] = {}  # prompt index -> its prompt logprobs
+        echo_only = req.echo and req.max_tokens == 0
+        usage_each_chunk, usage_at_end = stream_usage_modes(req.stream_options)
         try:
             async for pi, out in merge_streams(streams):
                 cached[pi] = out.num_cached_tokens
+                if out.prompt_logprobs is not None:  # sent once, before any choice's echo
+                    prompt_scores[pi] = out.prompt_logprobs
                 for c in out.outputs:
+                    if echo_only:
+                        c = without_generation(c)
                     index = pi * req.n + c.index
                     first = index not in offsets
                     echo_text = self._prompt_text(streams[pi]) if req.echo and first else ""
@@ -149,16 +200,15 @@ class OpenAIServingCompletion(OpenAIServing):
                     if not (c.text or echo_text or c.token_ids or c.finish_reason):
                         continue
                     choice = self._choice(req, index, c, streams[pi], echo_text,
-                                          offsets.get(index, 0))
+                                          offsets.get(index, 0), prompt_scores.get(pi))
                     offsets[index] = offsets.get(index, 0) + len(choice.text)
+                    usage = (self.usage(num_prompt, num_completion, sum(cached.values()))
+                             if usage_each_chunk else None)
                     chunk = CompletionResponse(id=request_id, created=created, model=model,
-                                               choices=[choice])
+                                               choices=[choice], usage=usage)
                     yield sse(chunk)
-            if req.stream_options is not None and req.stream_options.include_usage:
-                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                                  total_tokens=num_prompt + num_completion,
-                                  prompt_tokens_details=self.prompt_details(
-                                      sum(cached.values())))
+            if usage_at_end:
+                usage = self.usage(num_prompt, num_completion, sum(cached.values()))
                 yield sse(CompletionResponse(id=request_id, created=created, model=model,
                                              choices=[], usage=usage))
         except Exception as e:  # headers are sent: report in the stream, as OpenAI does

@@ -87,6 +87,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     but does not support (protocol.UNSUPPORTED_FIELDS) names itself in the error's context."""
     parts, param, code = [], None, None
     for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            # Its loc is ("body", <character offset>): a position, not a field, so no param.
+            offset = next((x for x in err.get("loc", ()) if isinstance(x, int)), None)
+            detail = (err.get("ctx") or {}).get("error") or "JSON decode error"
+            where = f" at character {offset}" if offset is not None else ""
+            return f"The request body is not valid JSON: {detail}{where}.", None, None
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         ctx_param = (err.get("ctx") or {}).get("param")

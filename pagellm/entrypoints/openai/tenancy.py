@@ -12,8 +12,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# Paths that stay open when keys are configured (probes and scrapers carry no key).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/openapi.json",
+# Paths that stay open when keys are configured (probes, scrapers and vllm-router's load poll
+# carry no key).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/get_load", "/docs", "/openapi.json",
                         "/docs/oauth2-redirect", "/redoc"})
 # The ASGI scope entry where the key middleware leaves the caller's tenant identity.
 TENANT_SCOPE_KEY = "pagellm.tenant"
