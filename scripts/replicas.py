@@ -1,6 +1,6 @@
-"""N `pagellm serve` replicas behind one least-loaded proxy; see pagellm/entrypoints/replicas.py.
+"""N `pagellm serve` replicas behind vllm-router; see pagellm/entrypoints/replicas.py.
 
-    python scripts/replicas.py --data-parallel-size 2 --port 8000 -- MODEL [pagellm serve flags]
+    python scripts/replicas.py -dp 2 [--policy cache_aware] --port 8000 -- MODEL [serve flags]
 """
 
 from pagellm.entrypoints.replicas import main

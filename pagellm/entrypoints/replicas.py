@@ -1,45 +1,53 @@
-"""Data parallelism on one machine: N ``pagellm serve`` replicas behind a least-loaded proxy.
+"""Data parallelism on one machine: N ``pagellm serve`` replicas behind vllm-router.
 
-    python -m pagellm.entrypoints.replicas --data-parallel-size 2 --port 8000 -- MODEL [serve flags]
+    python -m pagellm.entrypoints.replicas -dp 2 [--policy cache_aware] --port 8000 -- MODEL \
+        [serve flags]
     python -m pagellm.entrypoints.replicas --backend http://10.0.0.5:8000 --backend ... --port 8000
 
 The first form starts the replicas itself (each on 127.0.0.1 and a free port, each its own engine
 with its own KV cache; with ``--devices-per-replica K`` replica i sees GPUs iK..iK+K-1 through
-CUDA_VISIBLE_DEVICES, so ``-tp K`` works inside each). The second fronts servers that run
-elsewhere. Replicas share nothing, so scaling out is adding replicas; across machines use a real
-orchestrator (deploy/ and docs/parallelism.md), which restarts a dead replica, which this
-launcher does not: it keeps serving from the others.
+CUDA_VISIBLE_DEVICES, so ``-tp K`` works inside each), waits until every one answers /health,
+then starts vllm-router (``pip install 'pagellm[router]'``) in front of them and waits for it.
+The second form starts only the router, in front of servers that run elsewhere. Replicas share
+nothing, so scaling out is adding replicas; across machines use an orchestrator (deploy/ and
+docs/parallelism.md), which restarts a dead replica: this launcher does not, the router routes
+around it.
 
-The proxy enforces the API keys and the body cap itself (before a replica sees anything), and
-the launcher passes the same --api-key, --api-key-file and --max-request-body-bytes to each
-replica it starts, so the two never disagree (PAGELLM_API_KEY reaches both through the
-environment).
+The router checks no client key and no body: the launcher passes --api-key, --api-key-file and
+--max-request-body-bytes to each replica it starts, and each replica enforces them (the router
+forwards the client's Authorization header; PAGELLM_API_KEY reaches the replicas through the
+environment). The body cap also goes to the router (--max-payload-size).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+import shlex
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 from pagellm.config import child_environ, read_env
-from pagellm.entrypoints.openai.tenancy import ApiKeys, load_api_keys
-from pagellm.entrypoints.replica_proxy import (
-    DEFAULT_CLIENT_TIMEOUT_S,
-    DEFAULT_MAX_BODY_BYTES,
-    Replica,
-    ReplicaProxy,
+from pagellm.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagellm.entrypoints.openai.tenancy import load_api_keys
+from pagellm.entrypoints.replica_router import (
+    ROUTER_POLICIES,
+    RouterNotInstalledError,
+    RouterOptions,
+    check_router_installed,
+    die_with_parent,
+    start_router,
 )
 from pagellm.worker.multiproc_executor import free_port
 
 logger = logging.getLogger("pagellm")
 
-# Launcher flags that each launched `pagellm serve` gets too (the proxy and replicas agree).
+# Launcher flags that each launched `pagellm serve` gets too.
 FORWARDED_FLAGS = ("--api-key", "--api-key-file", "--max-request-body-bytes")
 
 
@@ -49,30 +57,37 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         cut = argv.index("--")
         argv, serve_args = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(prog="python -m pagellm.entrypoints.replicas",
-                                description="N pagellm serve replicas behind one proxy.")
+                                description="N pagellm serve replicas behind vllm-router.")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None,
                    help="replicas to launch (the `pagellm serve` flags follow `--`)")
     p.add_argument("--backend", action="append", default=[],
                    help="URL of a running replica to front instead (repeatable)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--policy", default="cache_aware", choices=ROUTER_POLICIES,
+                   help="vllm-router's routing policy (default cache_aware: requests that share "
+                        "a prefix go to the replica that has it cached)")
+    p.add_argument("--host", default="127.0.0.1", help="the router's address")
+    p.add_argument("--port", type=int, default=8000, help="the router's port")
+    p.add_argument("--router-metrics-port", type=int, default=None,
+                   help="the router's own Prometheus port (default: a free port)")
+    p.add_argument("--router-log-level", default="warning",
+                   help="vllm-router's log level")
+    p.add_argument("--router-args", default="", metavar="'ARGS'",
+                   help="more vllm-router flags, as one shell-quoted string (e.g. "
+                        "'--cache-threshold 0.5')")
     p.add_argument("--devices-per-replica", type=int, default=None,
                    help="GPUs per replica (sets CUDA_VISIBLE_DEVICES per replica)")
-    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
+    p.add_argument("--health-interval", type=int, default=5,
+                   help="seconds between the router's health checks of each replica")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--api-key", action="append", default=None,
-                   help="require 'Authorization: Bearer KEY' at the proxy (repeatable; "
-                        "passed to each launched replica; default env PAGELLM_API_KEY); "
-                        "/health and /proxy/metrics stay open")
+                   help="each launched replica requires 'Authorization: Bearer KEY' "
+                        "(repeatable; default env PAGELLM_API_KEY); the router forwards it")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="accept the keys in PATH, as `pagellm serve --api-key-file` (passed "
-                        "to each launched replica)")
-    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="larger request bodies get 413 at the proxy (passed to each launched "
-                        "replica; default 8 MiB, as pagellm serve)")
-    p.add_argument("--client-timeout", type=float, default=DEFAULT_CLIENT_TIMEOUT_S,
-                   help="seconds a client has to send its whole request; slower ones get 408 "
-                        "and are cut (default 30)")
+                   help="each launched replica accepts the keys in PATH, as `pagellm serve "
+                        "--api-key-file`")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies are refused, by the router (413) and by each "
+                        "launched replica (default 8 MiB, as pagellm serve)")
     ns = p.parse_args(argv)
     if (ns.data_parallel_size is None) == (not ns.backend):
         p.error("give either --data-parallel-size N (and the serve flags after --) or --backend")
@@ -80,15 +95,21 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--data-parallel-size must be >= 1, got {ns.data_parallel_size}")
     if ns.backend and serve_args:
         p.error("serve flags after -- are only for launched replicas (--data-parallel-size)")
+    if ns.policy == "power_of_two" and (ns.data_parallel_size or len(ns.backend)) < 2:
+        p.error("--policy power_of_two needs at least 2 replicas (vllm-router refuses it with "
+                "one)")
     for arg in serve_args:
         flag = arg.split("=", 1)[0]
         if flag in FORWARDED_FLAGS:
-            p.error(f"give {flag} before --: the proxy checks it too, and the launcher passes "
-                    "it to each replica")
-    if ns.max_request_body_bytes < 1 or ns.client_timeout <= 0:
-        p.error("--max-request-body-bytes and --client-timeout must be positive")
+            p.error(f"give {flag} before --: the launcher passes it to each replica")
     try:
-        ns.api_keys = load_api_keys(ns.api_key, ns.api_key_file, read_env().api_key)
+        load_api_keys(ns.api_key, ns.api_key_file, read_env().api_key)  # refuse bad keys now
+        ns.router = RouterOptions(
+            policy=ns.policy, host=ns.host, port=ns.port,
+            metrics_port=ns.router_metrics_port or free_port(),
+            max_payload_bytes=ns.max_request_body_bytes, health_interval_s=ns.health_interval,
+            startup_timeout_s=max(1, int(ns.startup_timeout)), log_level=ns.router_log_level,
+            extra_args=shlex.split(ns.router_args))
     except ValueError as e:
         p.error(str(e))
     return ns, serve_args
@@ -104,17 +125,8 @@ def replica_serve_args(ns: argparse.Namespace, serve_args: list[str]) -> list[st
     return out + ["--max-request-body-bytes", str(ns.max_request_body_bytes)]
 
 
-def _die_with_parent() -> None:
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def launch_replicas(n: int, serve_args: list[str], devices_per_replica: int | None
-                    ) -> list[tuple[Replica, subprocess.Popen]]:
+                    ) -> list[tuple[str, subprocess.Popen]]:
     """Start ``n`` `pagellm serve` processes (they log to this process's stdout/stderr)."""
     out = []
     for i in range(n):
@@ -124,17 +136,16 @@ def launch_replicas(n: int, serve_args: list[str], devices_per_replica: int | No
             first = i * devices_per_replica
             overrides["CUDA_VISIBLE_DEVICES"] = ",".join(
                 str(d) for d in range(first, first + devices_per_replica))
-        env = child_environ(overrides)
         cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", *serve_args,
                "--host", "127.0.0.1", "--port", str(port)]
         # The replica dies with us, whatever kills us (no orphaned servers holding GPUs).
-        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, env=child_environ(overrides), preexec_fn=die_with_parent)
         logger.info("replica %d: pid %d on 127.0.0.1:%d", i, proc.pid, port)
-        out.append((Replica(i, f"http://127.0.0.1:{port}", pid=proc.pid), proc))
+        out.append((f"http://127.0.0.1:{port}", proc))
     return out
 
 
-def stop_replicas(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -147,60 +158,99 @@ def stop_replicas(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> Non
             proc.wait()
 
 
-async def _wait_first_healthy(proxy: ReplicaProxy, procs: list[subprocess.Popen],
-                              timeout_s: float) -> None:
-    """Block until every launched replica answers /health (or exits: then fail)."""
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_healthy(named: dict[str, subprocess.Popen], urls: dict[str, str],
+                 timeout_s: float) -> None:
+    """Until every ``urls[name]`` answers 200; fail if its process exits first."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for replica, proc in zip(proxy.replicas, procs, strict=True):
+    pending = dict(urls)
+    while pending:
+        for name in list(pending):
+            proc = named[name]
             if proc.poll() is not None:
-                raise RuntimeError(f"replica {replica.index} exited with {proc.returncode} "
-                                   "during start-up")
-        await asyncio.gather(*(proxy._check(r) for r in proxy.replicas))
-        if all(r.healthy for r in proxy.replicas):
-            return
-        await asyncio.sleep(0.5)
-    raise RuntimeError(f"the replicas did not become healthy within {timeout_s:.0f} s")
+                raise RuntimeError(f"{name} exited with {proc.returncode} during start-up")
+            if http_ok(pending[name]):
+                logger.info("%s is up", name)
+                del pending[name]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{', '.join(pending)} did not become healthy within "
+                               f"{timeout_s:.0f} s")
+        if pending:
+            time.sleep(0.5)
+
+
+def watch(router: subprocess.Popen, replicas: dict[str, subprocess.Popen]) -> None:
+    """Serve until a signal; a replica that exits is logged (the router routes around it), a
+    router that exits ends the launcher."""
+    exited: set[str] = set()
+    while router.poll() is None:
+        for name, proc in replicas.items():
+            if name not in exited and proc.poll() is not None:
+                exited.add(name)
+                logger.warning("%s exited with %s; the router routes around it (%d of %d "
+                               "left)", name, proc.returncode, len(replicas) - len(exited),
+                               len(replicas))
+        time.sleep(0.5)
+    raise RuntimeError(f"vllm-router exited with {router.returncode}")
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(levelname)s %(asctime)s [replicas] %(message)s")
     ns, serve_args = parse_args(sys.argv[1:] if argv is None else argv)
-    procs: list[subprocess.Popen] = []
-    if ns.backend:
-        replicas = [Replica(i, url.rstrip("/")) for i, url in enumerate(ns.backend)]
-    else:
-        launched = launch_replicas(ns.data_parallel_size, replica_serve_args(ns, serve_args),
-                                   ns.devices_per_replica)
-        replicas = [r for r, _ in launched]
-        procs = [p for _, p in launched]
-    api_keys: ApiKeys | None = ns.api_keys
-    if api_keys is not None:
-        logger.info("%s at the proxy.", api_keys.describe())
-    proxy = ReplicaProxy(replicas, health_interval_s=ns.health_interval, api_keys=api_keys,
-                         max_body_bytes=ns.max_request_body_bytes,
-                         client_timeout_s=ns.client_timeout)
+    try:
+        check_router_installed()  # before any replica starts
+    except RouterNotInstalledError as e:
+        logger.error("%s", e)
+        raise SystemExit(2) from None
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
-
-    async def run() -> None:
-        if procs:
-            await _wait_first_healthy(proxy, procs, ns.startup_timeout)
-        await proxy.serve(ns.host, ns.port)
-
+    procs: list[subprocess.Popen] = []  # the router first: it stops taking requests first
+    replicas: dict[str, subprocess.Popen] = {}
     try:
-        asyncio.run(run())
+        if ns.backend:
+            urls = [url.rstrip("/") for url in ns.backend]
+        else:
+            launched = launch_replicas(ns.data_parallel_size, replica_serve_args(ns, serve_args),
+                                       ns.devices_per_replica)
+            urls = [url for url, _ in launched]
+            replicas = {f"replica {i} ({url})": proc for i, (url, proc) in enumerate(launched)}
+            procs += replicas.values()
+            wait_healthy(replicas, {name: f"{url}/health" for name, url in
+                                    zip(replicas, urls, strict=True)}, ns.startup_timeout)
+        router = start_router(urls, ns.router)
+        procs.insert(0, router)
+        # /readiness: 200 once the router serves with at least one healthy replica (its
+        # /health is 503 while any replica is down, e.g. one of several --backend servers).
+        wait_healthy({"vllm-router": router},
+                     {"vllm-router": f"http://{_local(ns.host)}:{ns.port}/readiness"},
+                     ns.startup_timeout)
+        logger.info("Serving on http://%s:%d (policy %s, %d replicas).", ns.host, ns.port,
+                    ns.policy, len(urls))
+        watch(router, replicas)
     except KeyboardInterrupt:
         logger.info("Stopping.")
     except RuntimeError as e:
         logger.error("%s", e)
         raise SystemExit(1) from None
     finally:
-        stop_replicas(procs)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the stop
+        stop_processes(procs)
+
+
+def _local(host: str) -> str:
+    """An address this machine can reach the router at."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
 if __name__ == "__main__":

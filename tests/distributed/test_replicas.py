@@ -1,23 +1,25 @@
-"""Two real `pagellm serve` replicas behind the least-loaded proxy (scripts/replicas.py): both
-serve, streaming passes through, a dead replica is routed around without failing requests, and
-stopping the launcher stops every replica."""
+"""Two real `pagellm serve` replicas behind a real vllm-router (scripts/replicas.py): completions,
+chat and streams pass through (checked with the openai SDK), the API key is enforced by the
+replicas through the router, round_robin reaches both, power_of_two's load poll reads each
+replica's load, a dead replica is routed around, and stopping the launcher stops everything."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from tp_utils import pid_alive
 
+from pagellm.entrypoints import replica_router, replicas
 from pagellm.worker.multiproc_executor import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,30 +28,29 @@ SERVE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-
                "--served-model-name", "tiny"]
 KEY = "sk-replicas-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+BODY_CAP = 64 * 1024
 
 
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 @pytest.fixture(scope="module")
-def proxy(tiny_model_dir, tmp_path_factory):
+def launcher(tiny_model_dir, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("replicas") / "replicas.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, str(REPO / "scripts" / "replicas.py"), "--data-parallel-size", "2",
-             "--port", str(port), "--health-interval", "0.3", "--api-key", KEY, "--",
+            [sys.executable, str(REPO / "scripts" / "replicas.py"), "-dp", "2",
+             "--policy", "round_robin", "--port", str(port), "--health-interval", "1",
+             "--api-key", KEY, "--max-request-body-bytes", str(BODY_CAP), "--",
              str(tiny_model_dir("llama")), *SERVE_FLAGS],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
+    while "Serving on" not in log.read_text():  # the launcher saw every replica and the router
         assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.5)
     yield url, proc
@@ -58,121 +59,202 @@ def proxy(tiny_model_dir, tmp_path_factory):
         proc.wait(60)
 
 
-def _stats(url: str) -> list[dict]:
-    return httpx.get(f"{url}/proxy/stats", headers=AUTH, timeout=5).json()
+def _workers(url: str) -> list[str]:
+    return httpx.get(f"{url}/list_workers", timeout=5).json()["urls"]
 
 
-def _complete(url: str, prompt: list[int], max_tokens: int = 8) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=120, json={
-        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "ignore_eos": True})
+def _client(url: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def test_both_replicas_serve_the_same_model(proxy) -> None:
-    url, _ = proxy
-    assert [r["healthy"] for r in _stats(url)] == [True, True]
-    prompt = [5, 17, 42, 99, 7]
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        responses = list(pool.map(lambda _: _complete(url, prompt, max_tokens=24), range(6)))
-    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
-    # Least-loaded routing spreads concurrent requests over both replicas...
-    assert {r.headers["x-pagellm-replica"] for r in responses} == {"0", "1"}
-    # ...which run the same model: the same greedy text from either.
-    assert len({r.json()["choices"][0]["text"] for r in responses}) == 1
-    served = [r["served"] for r in _stats(url)]
-    assert sum(served) >= 6 and min(served) >= 1
+def _successes(worker: str) -> float:
+    text = httpx.get(f"{worker}/metrics", timeout=5).text  # open, as /health
+    return sum(float(v) for v in re.findall(r"^pagellm:request_success_total\{.*\} (\S+)$", text,
+                                            re.M))
 
 
-def test_the_api_key_reaches_every_replica(proxy) -> None:
-    url, _ = proxy
-    assert httpx.get(f"{url}/proxy/stats", timeout=5).status_code == 401
+def test_completions_chat_and_streams_pass_through(launcher) -> None:
+    url, _ = launcher
+    client = _client(url)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    done = client.completions.create(model="tiny", prompt=[5, 17, 42], max_tokens=6,
+                                     temperature=0.0, extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 6
+    stream = client.completions.create(model="tiny", prompt=[5, 17, 42], max_tokens=6,
+                                       temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream) == done.choices[0].text
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                          temperature=0.0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                                 temperature=0.0, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        chat.choices[0].message.content
+
+
+def test_round_robin_reaches_both_replicas_with_the_same_model(launcher) -> None:
+    url, _ = launcher
+    workers = _workers(url)
+    assert len(workers) == 2
+    before = [_successes(w) for w in workers]
+    client = _client(url)
+    texts = [client.completions.create(model="tiny", prompt=[9, 8, 7, i // 2], max_tokens=4,
+                                       temperature=0.0).choices[0].text for i in range(4)]
+    after = [_successes(w) for w in workers]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2.0, 2.0]
+    # Each prompt went to both replicas in turn: the same greedy text from either.
+    assert texts[0] == texts[1] and texts[2] == texts[3]
+
+
+def test_the_api_key_is_enforced_through_the_router(launcher) -> None:
+    url, _ = launcher
     body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 1}
-    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 401
-    for replica in _stats(url):  # the launcher passed --api-key on to each replica
-        r = httpx.post(f"{replica['url']}/v1/completions", json=body, timeout=60)
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == 401, r.text
-        r = httpx.post(f"{replica['url']}/v1/completions", json=body, headers=AUTH, timeout=60)
-        assert r.status_code == 200, r.text
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        _client(url, key="sk-wrong").chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH,
+                      timeout=60).status_code == 200
+    for worker in _workers(url):  # the launcher passed --api-key on to each replica
+        assert httpx.post(f"{worker}/v1/completions", json=body, timeout=60).status_code == 401
+    # The body cap: the router refuses a larger body; each replica would too.
+    big = {**body, "prompt": "x" * BODY_CAP}
+    r = httpx.post(f"{url}/v1/completions", json=big, headers=AUTH, timeout=60)
+    assert r.status_code == 413, r.text
+    r = httpx.post(f"{_workers(url)[0]}/v1/completions", json=big, headers=AUTH, timeout=60)
+    assert r.status_code == 413, r.text
 
 
-def test_streaming_passes_through(proxy) -> None:
-    url, _ = proxy
-    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH,
-                      timeout=120) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
-    assert text == _complete(url, [5, 6, 7], max_tokens=6).json()["choices"][0]["text"]
+def test_power_of_two_reads_each_replicas_load(launcher) -> None:
+    """power_of_two polls /get_load (without a key); the router's /get_loads shows what it
+    read: 0 at rest, then the sequences running on the replica that has work."""
+    url, _ = launcher
+    workers = _workers(url)
+    for worker in workers:
+        assert httpx.get(f"{worker}/get_load", timeout=5).json() == {"load": 0}
+    # A warm tiny model runs 200 tokens in a fraction of a second: 2 x n=16 keep it busy.
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True,
+            "n": 16}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(httpx.post, f"{workers[0]}/v1/completions", json=body,
+                               headers=AUTH, timeout=300) for _ in range(2)]
+        seen: dict[str, int] = {}
+        while not all(r.done() for r in running):
+            loads = httpx.get(f"{url}/get_loads", timeout=5).json()["workers"]
+            seen = {w["worker"]: w["load"] for w in loads}
+            if seen[workers[0]] > 0:
+                break
+        assert all(r.result().status_code == 200 for r in running)
+    assert 1 <= seen[workers[0]] <= 32 and seen[workers[1]] == 0, seen
 
 
-def _wait_closed(replica_url: str) -> None:
-    """Until the killed replica's port refuses connections (its threads may hold the socket a
-    moment after the process is a zombie): a connection the dying process still accepted may
-    have delivered its body, so the proxy answers 502 instead of retrying."""
-    host, port = replica_url.removeprefix("http://").split(":")
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-        except ConnectionRefusedError:
-            return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+def test_a_dead_replica_is_routed_around(launcher) -> None:
+    url, proc = launcher
+    victim_url = _workers(url)[0]
+    port = victim_url.rsplit(":", 1)[1]
+    (victim,) = [pid for pid in _children(proc.pid)
+                 if f"--port\0{port}\0" in Path(f"/proc/{pid}/cmdline").read_text()]
+    os.kill(victim, signal.SIGKILL)
+    client = _client(url)
+    for i in range(4):  # the router retries a refused connection on the other replica
+        assert client.completions.create(model="tiny", prompt=[3, 4, i], max_tokens=2).choices
+    assert proc.poll() is None
 
 
-def test_a_dead_replica_is_routed_around(proxy) -> None:
-    url, launcher = proxy
-    victim = _stats(url)[0]
-    os.kill(victim["pid"], signal.SIGKILL)
-    _wait_closed(victim["url"])
-    # Straight away (before any health check can notice), requests still succeed: a refused
-    # connection is retried on another replica.
-    for i in range(4):
-        r = _complete(url, [3, 4, 5 + i])
-        assert r.status_code == 200, r.text
-        assert r.headers["x-pagellm-replica"] == "1"
-    deadline = time.monotonic() + 10
-    while _stats(url)[0]["healthy"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert [r["healthy"] for r in _stats(url)] == [False, True]
-    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
-    metrics = httpx.get(f"{url}/proxy/metrics", timeout=5).text
-    assert 'pagellm_proxy_replica_healthy{replica="0"' in metrics
-    assert launcher.poll() is None  # the front end stays up
-
-    # The last replica gone too: a clear 503, not a hang.
-    last = _stats(url)[1]
-    os.kill(last["pid"], signal.SIGKILL)
-    _wait_closed(last["url"])
-    r = _complete(url, [3, 4, 5])
-    assert r.status_code == 503 and "no healthy replica" in r.text, r.text
-    deadline = time.monotonic() + 10
-    while httpx.get(f"{url}/health", timeout=5).status_code != 503:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+def test_stopping_the_launcher_stops_the_router_and_replicas(launcher) -> None:
+    _, proc = launcher
+    children = _children(proc.pid)  # the live replica and the router (its process title)
+    assert any(b"vllm::router" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    assert not any(pid_alive(pid) for pid in children)
 
 
-def test_stopping_the_launcher_stops_every_replica(tiny_model_dir) -> None:
-    """SIGTERM to the launcher (before its replicas are even up) leaves no server behind."""
-    port = free_port()
+def test_sigterm_during_start_up_stops_the_replicas(tiny_model_dir) -> None:
+    """SIGTERM to the launcher before its replicas are even up leaves no server behind."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagellm.entrypoints.replicas", "-dp", "2", "--port", str(port),
-         "--", str(tiny_model_dir("llama")), *SERVE_FLAGS],
+        [sys.executable, "-m", "pagellm.entrypoints.replicas", "-dp", "2", "--port",
+         str(free_port()), "--", str(tiny_model_dir("llama")), *SERVE_FLAGS],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL)
     children: list[int] = []
     deadline = time.monotonic() + 60
     while len(children) < 2 and time.monotonic() < deadline:
-        children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-                    .read_text().split()]
+        children = _children(proc.pid)
         time.sleep(0.2)
     assert len(children) == 2
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     assert not any(pid_alive(pid) for pid in children)
+
+
+def test_a_missing_router_names_the_fix(monkeypatch, caplog) -> None:
+    real_find_spec = replica_router.importlib.util.find_spec
+    monkeypatch.setattr(replica_router.importlib.util, "find_spec",
+                        lambda name: None if name == "vllm_router_rs" else real_find_spec(name))
+    monkeypatch.setattr(replicas, "launch_replicas", lambda *a: pytest.fail("launched"))
+    with pytest.raises(SystemExit) as exit_info:
+        replicas.main(["-dp", "2", "--", "MODEL"])
+    assert exit_info.value.code == 2
+    assert "pip install 'pagellm[router]'" in caplog.text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backend", "http://a:1", "--policy", "power_of_two"], "at least 2 replicas"),
+    (["-dp", "2", "--policy", "kv_aware", "--", "M"], "invalid choice: 'kv_aware'"),
+    (["-dp", "2", "--", "M", "--api-key", "k"], "give --api-key before --"),
+    (["--backend", "http://a:1", "--", "M"], "only for launched replicas"),
+    (["-dp", "2", "--health-interval", "0", "--", "M"], "--health-interval must be >= 1"),
+    (["-dp", "2", "--router-log-level", "loud", "--", "M"], "--router-log-level must be one"),
+])
+def test_bad_command_lines_are_refused(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        replicas.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_the_router_command_line_parses_with_vllm_router() -> None:
+    from vllm_router.launch_router import parse_router_args
+
+    ns, _ = replicas.parse_args(["-dp", "2", "--policy", "cache_aware", "--port", "9000",
+                                 "--router-args", "--cache-threshold 0.5", "--", "M"])
+    cmd = replica_router.router_command(["http://127.0.0.1:1", "http://127.0.0.1:2"], ns.router)
+    assert cmd[1:3] == ["-m", "vllm_router.launch_router"]
+    args = parse_router_args(cmd[3:])
+    assert args.worker_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert (args.policy, args.port, args.cache_threshold) == ("cache_aware", 9000, 0.5)
+    assert args.max_payload_size == 8 * 2**20
+
+
+def test_the_fields_vllm_router_adds_are_known(caplog) -> None:
+    """vllm-router re-serializes each body with SGLang's fields at their defaults (as captured
+    from vllm-router 0.1.17): accepted without an "unknown field" warning; other values are a
+    400 naming the field."""
+    from pydantic import ValidationError
+
+    from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    completion = {"model": "tiny", "prompt": "x", "stream": False, "echo": False,
+                  "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                  "return_hidden_states": False}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": False,
+            "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+            "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+            "return_hidden_states": False, "include_reasoning": True}
+    with caplog.at_level("WARNING", logger="pagellm"):
+        CompletionRequest(**completion)
+        ChatCompletionRequest(**chat)
+    assert "unknown" not in caplog.text
+    for model, body, name, value in (
+            (CompletionRequest, completion, "no_stop_trim", True),
+            (CompletionRequest, completion, "return_hidden_states", True),
+            (ChatCompletionRequest, chat, "separate_reasoning", False),
+            (ChatCompletionRequest, chat, "include_reasoning", False)):
+        with pytest.raises(ValidationError, match=name):
+            model(**{**body, name: value})
