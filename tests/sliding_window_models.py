@@ -55,8 +55,8 @@ def sliding_config(arch: str, **overrides: Any) -> Any:
         from transformers import Gemma2Config
 
         # Untied (tiny tied random models repeat one token; Gemma 3 below covers the tied head).
-        return Gemma2Config(**_gemma_common(**overrides), attn_logit_softcapping=5.0,
-                            final_logit_softcapping=8.0, tie_word_embeddings=False)
+        return Gemma2Config(**{"tie_word_embeddings": False, **_gemma_common(**overrides)},
+                            attn_logit_softcapping=5.0, final_logit_softcapping=8.0)
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
 

@@ -24,7 +24,8 @@ logger = logging.getLogger("pagellm")
 
 # "3": phi3 configs gained their longrope factors (older cached ones lack them).
 # "4": MoE files: Mixtral configs (cached before as dense Llama ones), Qwen3-MoE expert widths.
-_FORMAT_VERSION = "4"
+# "5": Gemma 2/3 configs (soft-capping, layer types, attention scale, rope per layer type).
+_FORMAT_VERSION = "5"
 
 
 def cache_root() -> str:

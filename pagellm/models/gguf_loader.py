@@ -16,6 +16,11 @@ layer holds the router ``ffn_gate_inp`` ``[E, H]`` and every expert's projection
 ``ffn_gate_exps``/``ffn_up_exps`` ``[E, I, H]`` and ``ffn_down_exps`` ``[E, H, I]``; older Mixtral
 files store one tensor per expert (``blk.N.ffn_gate.E.weight``). They are split into the
 checkpoints' per-expert names, which the MoE models load (pagellm/models/moe.py).
+
+Gemma 2/3 files store every RMSNorm weight as 1 + w (llama.cpp multiplies by the weight; Gemma's
+norm scales by 1 + w), so 1 is taken off here; their four norms per layer are ``attn_norm``,
+``post_attention_norm``, ``ffn_norm`` (the pre-feedforward one) and ``post_ffw_norm``. Their config
+is rebuilt from the metadata in pagellm/models/gguf_gemma.py.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from pagellm.models.gguf_gemma import gemma_config_from_gguf
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -45,8 +52,16 @@ _BLOCK_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
 }
 # Per-architecture overrides (gguf.constants.MODEL_TENSORS[MODEL_ARCH.PHI3]): the fused
-# tensors that Phi3ForCausalLM splits; phi3 has no ffn_gate.
-_ARCH_BLOCK_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# tensors that Phi3ForCausalLM splits; phi3 has no ffn_gate. Gemma 2/3 norm both sides of each
+# sublayer (gguf.tensor_mapping: ffn_norm is the pre-feedforward norm there).
+_GEMMA_BLOCK_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_BLOCK_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                     "gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES}
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (its kernels multiply by the
+# weight; Gemma's norm scales by 1 + w): every "*norm.weight", q/k norms included.
+_NORM_PLUS_ONE_ARCHS = {"gemma2", "gemma3"}
 # Rope factors stored as tensors (llama3's rope_freqs, phi3's longrope factors) live in the
 # config instead (derived, or put there by complete_gguf_config).
 _SKIPPED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
@@ -56,7 +71,7 @@ _MOE_NAMES = {"llama": ("block_sparse_moe", ("w1", "w3", "w2")),
               "qwen3moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 _EXPERT_STACKS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 _EXPERT_SINGLES = {"ffn_gate": 0, "ffn_up": 1, "ffn_down": 2}  # old files: blk.N.ffn_gate.E
-_SUPPORTED = "llama (and Mixtral), qwen2, qwen3, qwen3moe, phi3"
+_SUPPORTED = "llama (and Mixtral), qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3"
 
 
 def _expert_name(arch: str, layer: str, expert: int | str, proj: int) -> str:
@@ -142,6 +157,8 @@ def gguf_weights_iterator(path: str, hf_config: Any,
             w = reverse_permute(w, num_heads)
         elif permute and ".self_attn.k_proj." in name:
             w = reverse_permute(w, num_kv_heads)
+        elif arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+            w = w.to(torch.float32) - 1.0
         yield name, (w if dtype is None else w.to(dtype))
 
 
@@ -153,13 +170,17 @@ def _metadata(reader: Any, key: str) -> Any:
 def complete_gguf_config(config: Any, path: str) -> Any:
     """The GGUF's transformers config with what its GGUF reader leaves out put back: for phi3
     (it keeps Phi3Config's defaults: 4096 original context, plain rope, full rotary width, no
-    window) and MoE files (see ``_complete_moe_config``). May return a new config object."""
+    window), MoE files (see ``_complete_moe_config``) and Gemma 2/3 (soft-capping, layer types,
+    attention scale, per-type rope: see pagellm/models/gguf_gemma.py). May return a new config
+    object."""
     model_type = getattr(config, "model_type", None)
     # transformers calls a "llama" file "mistral" when its general.name says so (Mixtral's may).
     if model_type in ("llama", "mistral", "qwen3_moe"):
         return _complete_moe_config(config, path)
     if model_type == "phi3":
         _complete_phi3_config(config, path)
+    if model_type in ("gemma2", "gemma3_text"):
+        return gemma_config_from_gguf(config, path)
     return config
 
 

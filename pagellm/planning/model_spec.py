@@ -202,6 +202,14 @@ def gguf_model_spec(path: str) -> ModelSpec:
             config.moe_intermediate_size = key("expert_feed_forward_length")
         else:  # Mixtral: a "llama" file with experts of feed_forward_length
             config.model_type, config.num_local_experts = "mixtral", experts
+    if arch in ("gemma2", "gemma3"):  # windows per layer, as pagellm/models/gguf_gemma.py
+        from pagellm.models.gguf_gemma import gemma_layer_types
+
+        config.model_type = "gemma2" if arch == "gemma2" else "gemma3_text"
+        config.sliding_window = int(key("attention.sliding_window", 0)) or None
+        config.layer_types = gemma_layer_types(
+            arch, int(config.num_hidden_layers), config.sliding_window,
+            meta.get(f"{arch}.attention.sliding_window_pattern"))
     types = sorted({t.type_name for t in tensors.values()},
                    key=lambda t: -sum(x.n_bytes for x in tensors.values() if x.type_name == t))
     name = os.path.basename(path).removesuffix(".gguf")
