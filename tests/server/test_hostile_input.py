@@ -147,8 +147,9 @@ def test_pathological_bodies(http):
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": [2**70]}, "prompt"),
     ({"logprobs": 21}, None),
-    ({"seed": 2**64}, None),
-    ({"temperature": -1}, None),
+    ({"seed": 2**64}, "seed"),
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
     ({"logit_bias": {"400": 1}}, "logit_bias"),
     ({"stop_token_ids": [400]}, None),
     ({"priority": 1}, "priority"),  # this server is fcfs

@@ -198,8 +198,12 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 logit_bias=logit_bias, structured_outputs=structured_outputs)
         except ValueError as e:
-            # "SamplingParams.top_p must be ..." -> name the request field instead.
-            raise bad_request(str(e).removeprefix("SamplingParams.")) from None
+            # "SamplingParams.top_p must be ..." -> name the request field, in the message and
+            # in param (null when the name is not one of the request's fields).
+            message = str(e).removeprefix("SamplingParams.")
+            name = message.split(" ", 1)[0]
+            raise bad_request(message, name if name in type(req).model_fields else None
+                              ) from None
 
     def sampling_defaults(self, req: SamplingFields) -> dict[str, Any]:
         """temperature, top_p, top_k, min_p, repetition_penalty: the request's value; where it
