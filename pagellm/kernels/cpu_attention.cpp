@@ -343,33 +343,11 @@ int pagellm_paged_attention_supported(int dtype, int64_t num_heads, int64_t num_
          attention_shape_ok(num_heads, num_kv_heads, head_dim, block_size);
 }
 
-// Returns 0, doing nothing, where pagellm_paged_attention_supported is 0; kOutOfBounds where an
+// Paged decode attention with a sliding window (0: none) and a logit soft-cap (0: none); either
+// takes the vector path (AMX takes neither). Returns 0, doing nothing, where
+// pagellm_paged_attention_supported is 0 or the window or cap is negative; kOutOfBounds where an
 // item's query row, block-table row, length or a block id lies outside `bounds` (num_blocks,
 // bt_rows, bt_width, rows): that item is skipped, nothing outside is read.
-int pagellm_paged_attention(int dtype, void* out, int64_t out_stride, const void* q,
-                            int64_t q_stride, const int64_t* token_rows, const void* k_cache,
-                            const void* v_cache, const int32_t* block_tables, int64_t bt_stride,
-                            const int32_t* item_lens, const int64_t* item_bt_rows,
-                            int64_t num_items, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t block_size, float scale,
-                            const CacheBounds* bounds) {
-  if (!pagellm_paged_attention_supported(dtype, num_heads, num_kv_heads, head_dim, block_size))
-    return 0;
-  if (dtype == 0)
-    return paged_attention<F32>(
-        static_cast<float*>(out), out_stride, static_cast<const float*>(q), q_stride, token_rows,
-        static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), block_tables,
-        bt_stride, item_lens, item_bt_rows, num_items,
-        DecodePlan<F32>(num_heads, num_kv_heads, head_dim, block_size, scale), *bounds);
-  return paged_attention<BF16>(
-      static_cast<uint16_t*>(out), out_stride, static_cast<const uint16_t*>(q), q_stride,
-      token_rows, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache),
-      block_tables, bt_stride, item_lens, item_bt_rows, num_items,
-      DecodePlan<BF16>(num_heads, num_kv_heads, head_dim, block_size, scale), *bounds);
-}
-
-// pagellm_paged_attention with a sliding window (0: none) and a logit soft-cap (0: none): the
-// vector path (AMX takes neither).
 int pagellm_paged_attention_windowed(int dtype, void* out, int64_t out_stride, const void* q,
                                      int64_t q_stride, const int64_t* token_rows,
                                      const void* k_cache, const void* v_cache,
@@ -397,6 +375,20 @@ int pagellm_paged_attention_windowed(int dtype, void* out, int64_t out_stride, c
       DecodePlan<BF16>(num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
                        soft_cap),
       *bounds);
+}
+
+// pagellm_paged_attention_windowed without a window or cap (the AMX path where it fits).
+int pagellm_paged_attention(int dtype, void* out, int64_t out_stride, const void* q,
+                            int64_t q_stride, const int64_t* token_rows, const void* k_cache,
+                            const void* v_cache, const int32_t* block_tables, int64_t bt_stride,
+                            const int32_t* item_lens, const int64_t* item_bt_rows,
+                            int64_t num_items, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale,
+                            const CacheBounds* bounds) {
+  return pagellm_paged_attention_windowed(
+      dtype, out, out_stride, q, q_stride, token_rows, k_cache, v_cache, block_tables,
+      bt_stride, item_lens, item_bt_rows, num_items, num_heads, num_kv_heads, head_dim,
+      block_size, scale, /*sliding_window=*/0, /*soft_cap=*/0.f, bounds);
 }
 
 // The prefetch slicing a paged_attention call of this shape uses, for tests: out[0..5] =
