@@ -22,10 +22,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import importlib.util
 import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,16 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def default_hf_dir() -> str:
-    """The default model as an HF folder: pagellm's GGUF conversion cache holds one."""
-    from pagellm.models import gguf_cache
-    from pagellm.models.loader import resolve_model_source
-
-    src = resolve_model_source(None)
-    folder = gguf_cache.cached_folder(src.gguf_path, gguf_cache.WEIGHTS)
-    if folder is None:  # the first LLM() converts the GGUF and writes the folder
-        LLM(kv_cache_memory="64MiB", max_model_len=256)
-        folder = gguf_cache.cached_folder(src.gguf_path, gguf_cache.WEIGHTS)
-    return str(folder)
+    """The default model as an HF folder: examples/grpo.py's (the GGUF conversion cache)."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "grpo.py"
+    spec = importlib.util.spec_from_file_location("pagellm_grpo_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.default_hf_dir()
 
 
 def rss_bytes() -> int:
