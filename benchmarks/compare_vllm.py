@@ -1,14 +1,19 @@
 """Run pagellm and vLLM's CPU build back to back on one workload and print the ratios.
 
 usage: python benchmarks/compare_vllm.py WORKLOAD.jsonl [--dtype bfloat16] [--vllm-python PATH]
-       [--hf-dir DIR] [--skip-vllm] [--repeats N] [--output-json FILE]
+       [--hf-dir DIR | --model-config DIR] [--skip-vllm] [--repeats N] [--output-json FILE]
        [pagellm bench throughput flags...]
+
+``--model-config DIR`` (a folder with only a config.json, e.g. benchmarks/model_configs/*)
+measures that model's shapes with random weights on both engines (load_format=dummy, no
+tokenizer): the workload's token ids only need to be below its vocabulary size.
 
 The workload is a JSONL of {"prompt_token_ids": [...], "max_tokens": N} (see
 ../shared/bench/workload.py); every request is generated in full (ignore_eos), greedy, all
 submitted at once. vLLM runs in its own venv (default /tmp/venv-vllm, see docs/performance.md)
 with the settings that matter on a 2-core machine; its start-up is not timed. pagellm's start-up
-is reported separately. Check that /proc/loadavg is below 0.5 before trusting any figure.
+is reported separately; prefix caching is off on both unless ``--enable-prefix-caching`` is
+given (then on for both). Check that /proc/loadavg is below 0.5 before trusting any figure.
 """
 
 from __future__ import annotations
@@ -34,8 +39,11 @@ import json, sys, time
 def main():
     from vllm import LLM, SamplingParams
     path, dtype, hf_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+    dummy, prefix_caching = sys.argv[4] == "1", sys.argv[5] == "1"
     reqs = [json.loads(line) for line in open(path)]
-    llm = LLM(model=hf_dir, dtype=dtype, max_model_len=2048, enable_prefix_caching=False)
+    extra = {"load_format": "dummy", "skip_tokenizer_init": True} if dummy else {}
+    llm = LLM(model=hf_dir, dtype=dtype, max_model_len=2048,
+              enable_prefix_caching=prefix_caching, **extra)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
               for r in reqs]
@@ -60,8 +68,10 @@ def run_pagellm(workload: str, dtype: str, extra: list[str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run_vllm(workload: str, dtype: str, python: str, hf_dir: str) -> dict:
-    proc = subprocess.run([python, "-c", VLLM_SNIPPET, workload, dtype, hf_dir],
+def run_vllm(workload: str, dtype: str, python: str, hf_dir: str, dummy: bool,
+             prefix_caching: bool = False) -> dict:
+    proc = subprocess.run([python, "-c", VLLM_SNIPPET, workload, dtype, hf_dir,
+                           "1" if dummy else "0", "1" if prefix_caching else "0"],
                           env={**os.environ, **VLLM_ENV},
                           check=True, capture_output=True, text=True)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
@@ -89,20 +99,29 @@ def main() -> int:
     ap.add_argument("workload")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--vllm-python", default="/tmp/venv-vllm/bin/python")
-    ap.add_argument("--hf-dir", default=None)
+    ap.add_argument("--hf-dir", default=None,
+                    help="the model as an HF folder for vLLM (default: pagellm's conversion of "
+                    "the default model); with --model-config, the tokenizer pagellm loads")
+    ap.add_argument("--model-config", default=None,
+                    help="a folder holding a config.json: that model's shapes, random weights")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--repeats", type=int, default=1,
                     help="N back-to-back pairs, alternating which engine goes first")
     # Any other flag goes to `pagellm bench throughput` (e.g. --max-num-batched-tokens 4096).
     ns, extra = ap.parse_known_args()
+    if ns.model_config:
+        # The workload's token ids come from the default model's tokenizer; pagellm loads it
+        # for detokenizing (vLLM skips its tokenizer instead).
+        extra += ["--model", ns.model_config, "--load-format", "dummy",
+                  "--tokenizer", ns.hf_dir or default_hf_dir()]
     with open("/proc/loadavg") as f:
         load = float(f.read().split()[0])
     print(f"load average at start: {load:.2f}" + ("  (NOT idle: figures unreliable)"
                                                   if load > 0.5 else ""))
     t = time.time()
     result: dict = {"date": time.strftime("%Y-%m-%d", time.localtime(t)), "load_at_start": load,
-                    "dtype": ns.dtype, "runs": []}
+                    "dtype": ns.dtype, "model_config": ns.model_config, "runs": []}
     for rep in range(ns.repeats):
         # Alternate who goes first, so a drift of the machine's speed favours neither.
         order = ["pagellm", "vllm"] if rep % 2 == 0 or ns.skip_vllm else ["vllm", "pagellm"]
@@ -115,8 +134,10 @@ def main() -> int:
                       f"{ours['output_tokens_per_s']:.0f} output tok/s "
                       f"(start-up {ours['startup_s']:.1f} s)", flush=True)
             elif not ns.skip_vllm:
-                theirs = run["vllm"] = run_vllm(ns.workload, ns.dtype, ns.vllm_python,
-                                                ns.hf_dir or default_hf_dir())
+                theirs = run["vllm"] = run_vllm(
+                    ns.workload, ns.dtype, ns.vllm_python,
+                    ns.model_config or ns.hf_dir or default_hf_dir(), bool(ns.model_config),
+                    prefix_caching="--enable-prefix-caching" in extra)
                 print(f"vLLM-CPU {ns.dtype}: {theirs['elapsed_s']:.1f} s, "
                       f"{theirs['total_tokens_per_s']:.0f} total tok/s, "
                       f"{theirs['output_tokens_per_s']:.0f} output tok/s", flush=True)

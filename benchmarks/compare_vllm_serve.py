@@ -3,7 +3,7 @@
 usage: python benchmarks/compare_vllm_serve.py [--rates 2,4,8] [--num-prompts 100]
        [--input-len 256] [--output-len 128] [--range-ratio 0.5] [--dtype bfloat16]
        [--out-dir DIR] [--skip-vllm | --skip-pagellm] [--vllm-python PATH] [--hf-dir DIR]
-       [--vllm-arg=--flag ...] [pagellm serve flags...]
+       [--model-config DIR] [--vllm-arg=--flag ...] [pagellm serve flags...]
 
 One after the other, never together: start ``pagellm serve`` (default model), run the sweep with
 ``pagellm bench serve`` (Poisson arrivals at each rate, random-token prompts of input-len +-
@@ -13,6 +13,10 @@ same client, prompts and seeds. Writes DIR/pagellm.json, DIR/vllm.json, DIR/swee
 servers on one figure) and DIR/compare.json, and prints the ratios (pagellm / vLLM: below 1 is
 pagellm faster). Start-up is not timed. Check /proc/loadavg < 0.5 first; any other busy process
 makes the figures meaningless. Unknown flags go to ``pagellm serve``.
+
+``--model-config DIR`` (a folder with only a config.json, e.g. benchmarks/model_configs/*) serves
+that model's shapes with random weights on both servers (``--load-format dummy``), with the
+default model's tokenizer (``--hf-dir``'s): the random prompts' token ids fit any larger vocabulary.
 
 ``--repeats N`` (N >= 2) interleaves instead, for machines whose speed drifts between minutes:
 both servers are started (an idle server takes next to no CPU while the other runs), then every
@@ -209,6 +213,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     ap.add_argument("--vllm-python", default="/tmp/venv-vllm/bin/python")
     ap.add_argument("--hf-dir", default=None, help="the model as an HF folder, for vLLM "
                     "(default: pagellm's GGUF conversion cache of the default model)")
+    ap.add_argument("--model-config", default=None,
+                    help="a folder holding a config.json: that model's shapes, random weights")
     ap.add_argument("--vllm-arg", action="append", default=[],
                     help="extra flag for vLLM's server, e.g. --vllm-arg=--max-num-seqs=64")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds per server")
@@ -222,20 +228,32 @@ def pagellm_server(ns: argparse.Namespace, serve_extra: list[str], out: Path) ->
     # Model sizes as in benchmarks/compare_vllm.py: 2048 context, 4 GiB of KV for both.
     return Server("pagellm", [sys.executable, "-m", "pagellm.entrypoints.cli", "serve",
                               "--dtype", ns.dtype, "--max-model-len", str(ns.max_model_len),
-                              "--kv-cache-memory", "4GiB", *serve_extra,
+                              "--kv-cache-memory", "4GiB", *model_flags(ns), *serve_extra,
                               "--port", str(free_port())],
                   out / "pagellm_server.log", timeout_s=ns.start_timeout)
+
+
+def model_flags(ns: argparse.Namespace) -> list[str]:
+    """Both servers' flags for ``--model-config``: its shapes, random weights, the default
+    model's tokenizer (empty without it: each server's default model)."""
+    if not ns.model_config:
+        return []
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from compare_vllm import default_hf_dir
+
+    return ["--model", ns.model_config, "--load-format", "dummy",
+            "--tokenizer", ns.hf_dir or default_hf_dir()]
 
 
 def vllm_server(ns: argparse.Namespace, out: Path) -> Server:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from compare_vllm import VLLM_ENV, default_hf_dir
 
-    hf_dir = ns.hf_dir or default_hf_dir()
+    model = model_flags(ns) or ["--model", ns.hf_dir or default_hf_dir()]
     # Prefix caching off as in pagellm's default (the sweep's random prompts share nothing
     # anyway); same dtype and context length.
     return Server("vllm-cpu", [ns.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-                               "--model", hf_dir, "--dtype", ns.dtype, "--max-model-len",
+                               *model, "--dtype", ns.dtype, "--max-model-len",
                                str(ns.max_model_len), "--no-enable-prefix-caching",
                                *ns.vllm_arg, "--host", "127.0.0.1", "--port", str(free_port())],
                   out / "vllm_server.log", env=VLLM_ENV, timeout_s=ns.start_timeout)

