@@ -2,13 +2,13 @@
 // the AMX (bfloat16) kernel; the AVX-512 kernels for machines without AMX and for float32 are in
 // cpu_prefill_vec.cpp, the driver both run under in cpu_prefill.h.
 //
-// AMX: K/V are regrouped per (sequence, kv head) into tiles: K transposed as dim pairs x 16
-// keys, the B operand of the scores; V as key pairs x 16 dims, the B operand of P.V. Then each
-// work item, 16 query rows of one sequence and kv head, runs every query head of that group
-// over the keys its last row may see, 32 at a time: two score tiles, an online softmax in
-// float32 (AVX-512), P rounded to bfloat16 as the A tile, P.V into float32 accumulators. Masked
-// scores count as exactly zero; sums and the output are float32 until the final bfloat16
-// rounding.
+// AMX: K/V are regrouped per 32-key unit and kv head (shared where sequences share blocks, see
+// cpu_prefill.h) into tiles: K transposed as dim pairs x 16 keys, the B operand of the scores;
+// V as key pairs x 16 dims, the B operand of P.V. Then each work item, 16 query rows of one
+// sequence and kv head, runs every query head of that group over the keys its last row may see,
+// 32 at a time (one unit): two score tiles, an online softmax in float32 (AVX-512), P rounded to
+// bfloat16 as the A tile, P.V into float32 accumulators. Masked scores count as exactly zero;
+// sums and the output are float32 until the final bfloat16 rounding.
 #include <omp.h>
 
 #include <algorithm>
@@ -31,8 +31,8 @@ constexpr int64_t kTile = 512;  // bf16 elements per tile
 // 16 query rows [r0, r0 + 16) of `s` (rows past q_len repeat the last one, not stored) for
 // every head of kv head h's group.
 void attend_block(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q_stride,
-                  const PrefillSeq& s, const uint16_t* kt, const uint16_t* vt, int64_t r0,
-                  int64_t h, int64_t G, int64_t D, float scale) {
+                  const PrefillSeq& s, const PackedKV<uint16_t>& kv, int64_t r0, int64_t h,
+                  int64_t G, int64_t D, float scale) {
   const int64_t rows = std::min<int64_t>(16, s.q_len - r0);
   const int64_t first_pos = s.ctx - s.q_len;  // position of row 0
   // Keys the block's last row sees, in 32-key steps.
@@ -67,7 +67,8 @@ void attend_block(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t 
       // Scores: keys [k0, k0 + 16) in tile 0, [k0 + 16, k0 + 32) in tile 1.
       _tile_zero(0);
       _tile_zero(1);
-      const uint16_t* ka = kt + (2 * step) * halves * kTile;
+      // The step's unit: keys [k0, k0 + 16) then [k0 + 16, k0 + 32), halves * kTile each.
+      const uint16_t* ka = kv.k(step);
       const uint16_t* kb = ka + halves * kTile;
       for (int64_t half = 0; half < halves; ++half) {
         _tile_loadd(6, qa + half * 32, qa_stride * 2);
@@ -120,7 +121,7 @@ void attend_block(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t 
       }
       // P.V, 4 dim blocks (64 dims) at a time, then o = o * alpha + P.V.
       _tile_loadd(5, pb, 64);
-      const uint16_t* vb = vt + step * dblocks * kTile;
+      const uint16_t* vb = kv.v(step);
       for (int64_t d0 = 0; d0 < dblocks; d0 += 4) {
         const int64_t n = std::min<int64_t>(4, dblocks - d0);
         _tile_zero(0);
@@ -173,15 +174,15 @@ struct AmxKernel {
     const auto* kc = static_cast<const uint16_t*>(a.k_cache);
     const auto* vc = static_cast<const uint16_t*>(a.v_cache);
     const int32_t* bt = a.block_tables + s.bt_row * a.bt_stride;
-    for (int64_t k = k0; k < k0 + 32; k += 16)
-      pack_k_lanes(kt + k * a.D, kc, bt, k, s.ctx, a.block_size, a.Hkv, a.D, h);
-    pack_v_bf16(vt + k0 * a.D, vc, bt, k0, s.ctx, a.block_size, a.Hkv, a.D, h);
+    for (int64_t k = 0; k < 32; k += 16)
+      pack_k_lanes(kt + k * a.D, kc, bt, k0 + k, s.ctx, a.block_size, a.Hkv, a.D, h);
+    pack_v_bf16(vt, vc, bt, k0, s.ctx, a.block_size, a.Hkv, a.D, h);
   }
-  static void attend(const PrefillArgs& a, const PrefillSeq& s, const T* kt, const T* vt,
+  static void attend(const PrefillArgs& a, const PrefillSeq& s, const PackedKV<T>& kv,
                      int64_t r0, int64_t h) {
     attend_block(static_cast<uint16_t*>(a.out), a.out_stride,
-                 static_cast<const uint16_t*>(a.q), a.q_stride, s, kt, vt, r0, h, a.H / a.Hkv,
-                 a.D, a.scale);
+                 static_cast<const uint16_t*>(a.q), a.q_stride, s, kv, r0, h, a.H / a.Hkv, a.D,
+                 a.scale);
   }
 };
 #endif

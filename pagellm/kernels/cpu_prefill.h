@@ -1,17 +1,24 @@
 // The shared driver of the prefill attention kernels (cpu_prefill.cpp: AMX; cpu_prefill_vec.cpp:
 // AVX-512), and the bfloat16 K/V packing both use.
 //
-// A step's prefill chunks are attended in two parallel phases: first each (sequence, kv head)'s
-// K/V (its context and its own new rows, already in the cache) are gathered from the blocks into
-// a packed layout of the kernel's choosing, kKeyBlock keys per work item, keys past the context
-// zero; then each (sequence, kv head, 16 query rows) item runs every query head of the group
-// over the keys its last row may see, longest rows first.
+// A step's prefill chunks are attended in two parallel phases: first the K/V of every sequence
+// (its context and its own new rows, already in the cache) are gathered from the blocks into a
+// packed layout of the kernel's choosing, one unit of kKeyBlock keys per kv head and work item,
+// keys past the context zero; then each (sequence, kv head, 16 query rows) item runs every query
+// head of the group over the units its last row may see, longest rows first.
+//
+// A full unit (every key below its sequence's context) holds exactly the K/V of the cache blocks
+// it spans, so sequences whose block tables share those blocks (prefix-cache hits: 64 prompts
+// of one 1,024-token prefix each attending to it) share one packed copy: the shared prefix is
+// packed once per step, not once per sequence, and the attend phase reads one copy that stays in
+// cache. The partial last unit (zeros past the context) is always its sequence's own.
 #pragma once
 
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <unordered_map>
 #include <vector>
 
 #include "cpu_common.h"
@@ -19,11 +26,23 @@
 namespace pagellm {
 
 struct PrefillSeq {
-  int64_t q_row;   // first query row in q / out
-  int64_t q_len;   // new rows of this chunk
-  int64_t ctx;     // tokens in the cache after this chunk (context + q_len)
-  int64_t bt_row;  // row of block_tables
-  int64_t packed;  // offset of its packed K/V (elements) in the workspace, per kv head
+  int64_t q_row;       // first query row in q / out
+  int64_t q_len;       // new rows of this chunk
+  int64_t ctx;         // tokens in the cache after this chunk (context + q_len)
+  int64_t bt_row;      // row of block_tables
+  int64_t first_unit;  // its units' entries in the driver's unit table
+};
+
+// Where one sequence's packed K/V of one kv head lie for the attend phase: unit j (keys
+// [j kKeyBlock, (j + 1) kKeyBlock)) has its K at k(j) and its V at v(j), kKeyBlock * D
+// elements each.
+template <typename T>
+struct PackedKV {
+  const T* base;           // the workspace, offset to the kv head
+  const int64_t* offsets;  // the sequence's units' offsets (elements) from base
+  int64_t v_offset;        // V after K within a unit
+  const T* k(int64_t j) const { return base + offsets[j]; }
+  const T* v(int64_t j) const { return base + offsets[j] + v_offset; }
 };
 
 // The C entry point's arguments (pagellm_prefill_attention).
@@ -96,64 +115,99 @@ inline void pack_v_bf16(uint16_t* dst, const uint16_t* v_cache, const int32_t* b
 
 // Runs the two phases with kernel K, which provides:
 //   using T;                               the element type
-//   static constexpr int64_t kKeyBlock;    keys packed per work item (packed keys round up to it)
+//   static constexpr int64_t kKeyBlock;    keys per unit (also the attend loop's key step)
 //   struct Thread;                         per-thread state of the attend phase (e.g. tiles)
 //   static void pack(const PrefillArgs&, const PrefillSeq&, T* kt, T* vt, int64_t k0, int64_t h)
-//       packs keys [k0, k0 + kKeyBlock) of kv head h at kt + k0 * D (K) and vt + k0 * D (V);
-//   static void attend(const PrefillArgs&, const PrefillSeq&, const T* kt, const T* vt,
-//                      int64_t r0, int64_t h)
+//       packs keys [k0, k0 + kKeyBlock) of kv head h at kt (K) and vt (V), kKeyBlock * D
+//       elements each;
+//   static void attend(const PrefillArgs&, const PrefillSeq&, const PackedKV<T>&, int64_t r0,
+//                      int64_t h)
 //       query rows [r0, r0 + 16) of the sequence, every head of kv head h's group.
 template <typename K>
 void run_prefill(const PrefillArgs& a) {
   using T = typename K::T;
-  const int64_t D = a.D, Hkv = a.Hkv;
+  constexpr int64_t KB = K::kKeyBlock;
+  const int64_t D = a.D, Hkv = a.Hkv, bs = a.block_size;
+  const int64_t unit_elems = 2 * KB * D;  // K then V of one kv head
   std::vector<PrefillSeq> seqs(a.num_seqs);
-  int64_t total = 0;
+  int64_t num_entries = 0;
   for (int64_t i = 0; i < a.num_seqs; ++i) {
-    const int64_t keys = (a.ctx_lens[i] + K::kKeyBlock - 1) / K::kKeyBlock * K::kKeyBlock;
-    seqs[i] = PrefillSeq{a.q_rows[i], a.q_lens[i], a.ctx_lens[i], a.bt_rows[i], total};
-    total += keys * D * 2 * Hkv;  // K then V, per kv head
+    seqs[i] = PrefillSeq{a.q_rows[i], a.q_lens[i], a.ctx_lens[i], a.bt_rows[i], num_entries};
+    num_entries += (a.ctx_lens[i] + KB - 1) / KB;
   }
+  // Every sequence's units: a full unit is keyed by the last cache block it spans and its first
+  // key's offset in its first block, and taken from the first sequence that has it when the
+  // blocks it spans are the same ones (with prefix caching a shared block's predecessors are
+  // shared too, so that check only fails on tables that are not prefix-cache chains).
+  std::vector<int64_t> unit_index(num_entries);   // entry -> packed unit
+  std::vector<int64_t> pack_items;                // packed unit -> (seq << 40) | entry's j
+  std::unordered_map<uint64_t, int64_t> shared;   // (last block, offset) -> entry
+  shared.reserve(static_cast<size_t>(num_entries));
+  for (int64_t i = 0; i < a.num_seqs; ++i) {
+    const PrefillSeq& s = seqs[i];
+    const int32_t* bt = a.block_tables + s.bt_row * a.bt_stride;
+    for (int64_t j = 0, n = (s.ctx + KB - 1) / KB; j < n; ++j) {
+      const int64_t entry = s.first_unit + j;
+      if ((j + 1) * KB <= s.ctx) {
+        const int64_t first = j * KB / bs, last = ((j + 1) * KB - 1) / bs;
+        const uint64_t key = (static_cast<uint64_t>(bt[last]) << 32) |
+                             static_cast<uint64_t>(j * KB % bs);
+        const auto [it, inserted] = shared.try_emplace(key, entry);
+        if (!inserted) {
+          const int64_t other = it->second;
+          const int64_t oi = pack_items[unit_index[other]] >> 40;
+          const int64_t oj = other - seqs[oi].first_unit;
+          const int32_t* obt = a.block_tables + seqs[oi].bt_row * a.bt_stride + oj * KB / bs;
+          if (std::equal(bt + first, bt + last + 1, obt)) {
+            unit_index[entry] = unit_index[other];
+            continue;
+          }
+        }
+      }
+      unit_index[entry] = static_cast<int64_t>(pack_items.size());
+      pack_items.push_back((i << 40) | j);
+    }
+  }
+  const int64_t num_units = static_cast<int64_t>(pack_items.size());
+  const int64_t total = num_units * unit_elems * Hkv;
   static thread_local std::vector<T> ws;
   if (ws.size() < static_cast<size_t>(total)) ws.resize(total);
   T* packed = ws.data();
-  // Work items: sequence * 2^40 + kv head * 2^32 + block (of kKeyBlock keys / 16 query rows).
-  std::vector<int64_t> pack_items, attend_items;
+  // Kv head h's units lie in its own slab of the workspace, unit_elems apart; an entry's offset
+  // is its unit's place in the slab.
+  std::vector<int64_t> offsets(num_entries);
+  for (int64_t e = 0; e < num_entries; ++e) offsets[e] = unit_index[e] * unit_elems;
+  // Attend items: sequence * 2^40 + kv head * 2^32 + block of 16 query rows.
+  std::vector<int64_t> attend_items;
   for (int64_t i = 0; i < a.num_seqs; ++i)
-    for (int64_t h = 0; h < Hkv; ++h) {
-      for (int64_t b = 0; b < (seqs[i].ctx + K::kKeyBlock - 1) / K::kKeyBlock; ++b)
-        pack_items.push_back((i << 40) | (h << 32) | b);
+    for (int64_t h = 0; h < Hkv; ++h)
       for (int64_t b = 0; b < (seqs[i].q_len + 15) / 16; ++b)
         attend_items.push_back((i << 40) | (h << 32) | b);
-    }
   // Longest rows first: late rows of a long chunk see the most keys.
   std::sort(attend_items.begin(), attend_items.end(), [&](int64_t x, int64_t y) {
     const PrefillSeq& sx = seqs[x >> 40];
     const PrefillSeq& sy = seqs[y >> 40];
     return sx.ctx - sx.q_len + (x & 0xffffffff) * 16 > sy.ctx - sy.q_len + (y & 0xffffffff) * 16;
   });
-  auto bases = [&](const PrefillSeq& s, int64_t h) {
-    const int64_t keys = (s.ctx + K::kKeyBlock - 1) / K::kKeyBlock * K::kKeyBlock;
-    T* kt = packed + s.packed + h * keys * D * 2;
-    return std::pair<T*, T*>(kt, kt + keys * D);
-  };
-  const int64_t n_pack = pack_items.size(), n_attend = attend_items.size();
+  const int64_t slab = num_units * unit_elems;  // one kv head's units
+  const int64_t n_pack = num_units * Hkv, n_attend = attend_items.size();
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < n_pack; ++it) {
-      const PrefillSeq& s = seqs[pack_items[it] >> 40];
-      const int64_t h = (pack_items[it] >> 32) & 0xff, b = pack_items[it] & 0xffffffff;
-      const auto [kt, vt] = bases(s, h);
-      K::pack(a, s, kt, vt, b * K::kKeyBlock, h);
+      const int64_t u = it / Hkv, h = it % Hkv;
+      const PrefillSeq& s = seqs[pack_items[u] >> 40];
+      const int64_t j = pack_items[u] & 0xffffffffff;
+      T* kt = packed + h * slab + u * unit_elems;
+      K::pack(a, s, kt, kt + KB * D, j * KB, h);
     }
     [[maybe_unused]] typename K::Thread thread_state;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_attend; ++it) {
       const PrefillSeq& s = seqs[attend_items[it] >> 40];
       const int64_t h = (attend_items[it] >> 32) & 0xff, b = attend_items[it] & 0xffffffff;
-      const auto [kt, vt] = bases(s, h);
-      K::attend(a, s, kt, vt, b * 16, h);
+      const PackedKV<T> kv{packed + h * slab, offsets.data() + s.first_unit, KB * D};
+      K::attend(a, s, kv, b * 16, h);
     }
   }
 }
