@@ -11,6 +11,12 @@
 // results are stored as they are, 16 outputs at once. Each thread takes its own panels of NR
 // blocks (its weights stream from memory once per 256 rows of x; a panel stays in L2 while every
 // row group of x runs past it). Sums are float32; outputs are rounded to the dtype once.
+//
+// With one or two rows of x (batch-1 decode, small batches) the product is the weight stream
+// and little else: there each thread reads its own contiguous range of blocks front to back,
+// one block at a time (one sequential stream per thread; on the 2 MiB pages the packed copy
+// gets (huge_pages.py) that streams at the memory's read speed, where NR streams side by side
+// lose 5-15%). Measurements: docs/performance.md.
 #include <omp.h>
 
 #include <algorithm>
@@ -71,10 +77,61 @@ void panel(T* y, int64_t ldy, const T* x, int64_t lda, const T* wp, const T* bia
   }
 }
 
+constexpr int64_t kStreamRows = 2;  // up to this many rows of x: the streaming path
+
+// y rows [0, MR) x the 16 outputs of block nb, block by block for nb in [nb0, nb1): MR rows
+// of x against one weight stream. One bfloat16 row sums even and odd k pair steps apart (two
+// chains: one chain of dot products, ~6 cycles each, would cap a core below its memory speed);
+// float32 FMAs are quick enough in one chain, which keeps every row's summation order that of
+// the many-row path (float32 results do not depend on the batch's size).
+template <typename T, int MR>
+void stream_blocks(T* y, int64_t ldy, const T* x, int64_t lda, const T* wp, const T* bias,
+                   int64_t K, int64_t nb0, int64_t nb1) {
+  using Ops = VecOps<T>;
+  constexpr int64_t step = Ops::kPer;
+  constexpr int U = MR == 1 && step == 2 ? 2 : 1;  // independent accumulators per row
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    __m512 acc[U][MR];
+    for (int u = 0; u < U; ++u)
+      for (int i = 0; i < MR; ++i) acc[u][i] = _mm512_setzero_ps();
+    const T* w = wp + nb * K * 16;
+    int64_t k = 0;
+    for (; k + U * step <= K; k += U * step)
+      for (int u = 0; u < U; ++u) {
+        const __m512 wv = Ops::load(w + (k + u * step) * 16);
+        for (int i = 0; i < MR; ++i)
+          acc[u][i] = Ops::madd(acc[u][i], wv, Ops::bcast(x + i * lda + k + u * step));
+      }
+    for (; k < K; k += step) {
+      const __m512 wv = Ops::load(w + k * 16);
+      for (int i = 0; i < MR; ++i)
+        acc[0][i] = Ops::madd(acc[0][i], wv, Ops::bcast(x + i * lda + k));
+    }
+    const int64_t n = nb * 16;
+    const __m512 b = bias ? load16(bias + n) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      __m512 sum = acc[0][i];
+      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][i]);
+      store16(y + i * ldy + n, _mm512_add_ps(sum, b));
+    }
+  }
+}
+
 template <typename T>
 void gemm(T* y, int64_t ldy, const T* x, int64_t lda, const T* wp, const T* bias, int64_t M,
           int64_t N, int64_t K) {
   const int64_t NB = N / 16, panels = (NB + kNR - 1) / kNR;
+  if (M <= 0) return;
+  if (M <= kStreamRows) {
+#pragma omp parallel
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      const int64_t nb0 = NB * t / nt, nb1 = NB * (t + 1) / nt;
+      if (M == 2) stream_blocks<T, 2>(y, ldy, x, lda, wp, bias, K, nb0, nb1);
+      else stream_blocks<T, 1>(y, ldy, x, lda, wp, bias, K, nb0, nb1);
+    }
+    return;
+  }
 #pragma omp parallel
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();

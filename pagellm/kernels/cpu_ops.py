@@ -14,6 +14,7 @@ from ctypes import c_float, c_int, c_int64, c_void_p
 import torch
 
 from pagellm.kernels import cpu_build
+from pagellm.kernels.huge_pages import empty_on_huge_pages
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -251,9 +252,10 @@ def linear_packed_supports(weight: torch.Tensor) -> bool:
 def linear_pack(weight: torch.Tensor) -> torch.Tensor:
     """The weight in ``linear_packed``'s layout (``cpu_linear_vec.cpp``): blocks of 16 output
     rows, each ``[K/2][16][2]`` (bfloat16) or ``[K][16]`` (float32), as a ``[N // 16, 16 * K]``
-    tensor of the same dtype. Check ``linear_packed_supports`` first."""
+    tensor of the same dtype, on 2 MiB pages where the system grants them (huge_pages.py: a
+    batch-1 step streams it). Check ``linear_packed_supports`` first."""
     n, k = weight.shape
-    out = torch.empty((n // 16, 16 * k), dtype=weight.dtype)
+    out = empty_on_huge_pages((n // 16, 16 * k), weight.dtype)
     _library().pagellm_linear_pack(_DTYPE_CODES[weight.dtype], out.data_ptr(),
                                    weight.data_ptr(), n, k)
     return out

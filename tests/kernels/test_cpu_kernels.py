@@ -321,10 +321,12 @@ def _packed_kernel_takes(dtype: torch.dtype) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 9, 16, 17, 33, 300])
 @pytest.mark.parametrize("n,k,bias", [(16, 32, False), (48, 64, True), (32, 64, False),
-                                      (80, 40, True), (960, 576, False), (576, 1536, True)])
+                                      (80, 40, True), (48, 54, True), (960, 576, False),
+                                      (576, 1536, True)])
 def test_packed_linear_matches_float64(dtype, rows, n, k, bias):
     """The AVX-512 kernel on packed weights: every micro-kernel shape (8-row groups and each
-    leftover count, panels of 3, 2 and 1 output blocks), K off the vector width."""
+    leftover count, panels of 3, 2 and 1 output blocks; the one- and two-row streaming path,
+    an odd number of bfloat16 pair steps for its two accumulators), K off the vector width."""
     if not _packed_kernel_takes(dtype):
         pytest.skip(f"no packed linear kernel for {dtype} on this CPU")
     g = torch.Generator().manual_seed(rows * 1000 + n)
