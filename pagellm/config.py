@@ -160,6 +160,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     policy: str = "fcfs"  # or "priority" (see core/request_queue.py)
+    # Schedule step N+1 while step N runs (EngineCore.step; docs/performance.md).
+    async_scheduling: bool = False
+    # vLLM's long_prefill_token_threshold: the most tokens one request gets in a step while
+    # other requests are scheduled too (0: no cap beyond the budget; core/scheduler.py).
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,8 @@ class EngineConfig:
     enable_sleep_mode: bool = False  # LLM.sleep()/wake_up() allowed
     disable_log_stats: bool = False
     structured_outputs_backend: str = "auto"  # STRUCTURED_OUTPUTS_BACKENDS
+    # pagellm.spec_decode.config.SpeculativeConfig (--speculative-config), or None: off.
+    speculative_config: Any = None
     env: EnvSettings = EnvSettings()  # the environment's settings when the config was made
 
 

@@ -51,6 +51,7 @@ from pagellm.config_flags import (
     from_namespace,
     option,
 )
+from pagellm.spec_decode.config import check_speculative_combination, parse_speculative_config
 
 
 def _first(names: list[str] | None) -> str | None:
@@ -76,6 +77,10 @@ class EngineArgs:
     max_num_batched_tokens: int | None = option(
         None, f"token budget per step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}); long prompts "
         "are chunked")
+    long_prefill_token_threshold: int = option(
+        0, "the most prompt tokens one request prefills per step while other requests are "
+        "scheduled too, so a long prompt is chunked beside the decodes instead of taking the "
+        "budget (vLLM's flag); 0: no cap beyond --max-num-batched-tokens")
     block_size: int = option(
         16, f"tokens per KV block (one of {', '.join(map(str, BLOCK_SIZES))})")
     kv_cache_memory: str | int | None = option(
@@ -125,6 +130,15 @@ class EngineArgs:
     structured_outputs_backend: str = option(
         "auto", "engine for structured outputs (JSON schema, regex, choice, EBNF grammar): "
         "auto or xgrammar (the same today)", choices=STRUCTURED_OUTPUTS_BACKENDS)
+    speculative_config: str | dict | None = option(
+        None, "speculative decoding as a JSON object with vLLM's keys, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
+        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' (see '
+        "docs/speculative_decoding.md)", parse=str)  # parsed in create_engine_config
+    async_scheduling: bool = option(
+        False, "overlap scheduling and output processing with the model: step N+1 is scheduled "
+        "and submitted before step N's tokens are processed (requests with structured outputs "
+        "run synchronous steps)")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -171,6 +185,10 @@ class EngineArgs:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got "
                              f"{self.tensor_parallel_size}.")
         check_choices(self)  # --dtype, --load-format, --attention-backend, ...
+        speculative = parse_speculative_config(self.speculative_config)
+        # Also refuses --async-scheduling with it.
+        check_speculative_combination(speculative, self.tensor_parallel_size,
+                                      self.async_scheduling)
         from pagellm.layers.quantization import parse_quantization
 
         quant = parse_quantization(self.quantization)  # ValueError names --quantization
@@ -186,6 +204,7 @@ class EngineArgs:
 
         max_model_len, max_num_seqs, max_num_batched_tokens = resolve_scheduler_limits(
             self, model_context_len(hf_config), env)
+        check_long_prefill_token_threshold(self.long_prefill_token_threshold, max_model_len)
 
         model_name = self.served_model_name or (self.model or DEFAULT_MODEL_NAME)
         if attention_backend_unavailable(self.attention_backend, device, env):
@@ -208,13 +227,16 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len, policy=self.scheduling_policy),
+                max_model_len=max_model_len, policy=self.scheduling_policy,
+                async_scheduling=self.async_scheduling,
+                long_prefill_token_threshold=self.long_prefill_token_threshold),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=DeviceConfig(device=device, attention_backend=self.attention_backend),
             enforce_eager=self.enforce_eager,
             enable_sleep_mode=self.enable_sleep_mode,
             disable_log_stats=self.disable_log_stats,
             structured_outputs_backend=self.structured_outputs_backend,
+            speculative_config=speculative,
             env=env,
         )
 
@@ -227,6 +249,12 @@ def check_cache_flags(args: EngineArgs) -> None:
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ValueError("--gpu-memory-utilization must be in (0, 1], "
                          f"got {args.gpu_memory_utilization}.")
+
+
+def check_long_prefill_token_threshold(threshold: int, max_model_len: int) -> None:
+    if not 0 <= threshold <= max_model_len:
+        raise ValueError(f"--long-prefill-token-threshold must be between 0 (off) and "
+                         f"--max-model-len ({max_model_len}), got {threshold}.")
 
 
 def resolve_scheduler_limits(args: EngineArgs, context_len: int, env: EnvSettings | None = None

@@ -73,6 +73,13 @@ class Request:
     # engine core attaches when the request arrives; None for an unconstrained request. The
     # scheduler admits the request once ``grammar.ready`` and feeds it every sampled token.
     grammar: Any = field(default=None, repr=False)
+    # Speculative decoding: draft tokens proposed by the model runner, verified by the next
+    # step (scheduled after the known tokens; not part of all_token_ids until accepted).
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling: tokens scheduled whose sampled id has not come back yet.
+    num_output_placeholders: int = 0
+    # Slots past the known tokens a draft model writes K/V to while proposing.
+    num_lookahead_slots: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -89,6 +96,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_unknown_slots(self) -> int:
+        """KV slots the scheduler may allocate past the known tokens (see the fields above)."""
+        return len(self.spec_token_ids) + self.num_output_placeholders + self.num_lookahead_slots
 
     @property
     def is_finished(self) -> bool:

@@ -82,6 +82,8 @@ class KVCacheManager:
         self._pending_stats: dict[str, tuple[int, int]] = {}
         # Blocks hashed since begin_step(): their K/V exists only once that step has run.
         self._hashed_this_step: list[KVCacheBlock] = []
+        # Those hashed for the step scheduled before it (async scheduling: it may still run).
+        self._hashed_prev_step: list[KVCacheBlock] = []
 
     @property
     def usage(self) -> float:
@@ -145,7 +147,10 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_total = num_computed + num_new_tokens
         assert self.max_model_len is None or num_total <= self.max_model_len, (req_id, num_total)
-        assert num_total <= request.num_tokens, "only known tokens can be scheduled"
+        # Past the known tokens: speculative tokens to verify, a token still being sampled
+        # (async scheduling) or lookahead slots a draft model writes; never cached below.
+        assert num_total <= request.num_tokens + request.num_unknown_slots, (
+            "only known tokens, speculative tokens and lookahead slots can be scheduled")
 
         if self._has_window and req_blocks:
             self._free_skipped_blocks(req_id, request.num_computed_tokens)
@@ -177,7 +182,9 @@ class KVCacheManager:
 
         hashes = self._block_hashes(request)
         if hashes is not None:
-            num_full = num_total // self.block_size
+            # A block is cached once all its tokens are known (its K/V is what a later prompt
+            # with those tokens needs); one holding unknown slots waits for a later allocation.
+            num_full = min(num_total, request.num_tokens) // self.block_size
             num_cached = self.num_cached_blocks.get(req_id, 0)
             if num_full > num_cached:
                 self._hashed_this_step += self.block_pool.cache_full_blocks(
@@ -186,15 +193,22 @@ class KVCacheManager:
         return new_blocks
 
     def begin_step(self) -> None:
-        """A new step is being scheduled: the previous one ran, its hashed blocks hold K/V."""
-        self._hashed_this_step.clear()
+        """A new step is being scheduled. The blocks hashed for the one before are kept aside:
+        with async scheduling that step may still be running (see ``uncache_step``)."""
+        self._hashed_prev_step = self._hashed_this_step
+        self._hashed_this_step = []
 
-    def uncache_step(self) -> None:
+    def uncache_step(self, include_previous: bool = False) -> None:
         """The step scheduled since ``begin_step()`` failed: no forward wrote the blocks it
         hashed, so a later prompt must not hit them (it would read stale K/V, maybe another
-        tenant's). Only requests of that step hold them, and they all fail with it."""
+        tenant's). Only requests of that step hold them, and they all fail with it.
+        ``include_previous``: the step scheduled before it failed too (async scheduling, where
+        both were in flight and both steps' requests fail)."""
         self.block_pool.uncache_blocks(self._hashed_this_step)
-        self._hashed_this_step.clear()
+        self._hashed_this_step = []
+        if include_previous:
+            self.block_pool.uncache_blocks(self._hashed_prev_step)
+            self._hashed_prev_step = []
 
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first (so its tail is evicted first), and

@@ -52,6 +52,9 @@ class SchedulerOutput:
     # Structured outputs: the allowed next tokens of the constrained requests that sample this
     # step (a GrammarBitmask, pagellm/structured_output/manager.py), or None.
     grammar_bitmask: Any = None
+    # Speculative decoding: req_id -> the draft tokens scheduled after its last known token
+    # (counted in num_scheduled_tokens); the runner verifies them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -79,13 +82,18 @@ class PromptLogprobs:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """One entry per scheduled request, in the runner's order. ``sampled_token_ids[i]`` is empty
-    for a request whose prefill chunk did not reach the end of its known tokens.
+    for a request whose prefill chunk did not reach the end of its known tokens, and holds the
+    accepted drafts plus the target's token for a request that verified drafts.
     ``prompt_logprobs`` holds, for requests that asked, the prompt tokens this step scored."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    logprobs: list[Logprobs | None] = field(default_factory=list)
+    # One record per sampled token: a Logprobs for one token, a list of them for a request
+    # that verified drafts (one per emitted token); None where not asked.
+    logprobs: list[Logprobs | list[Logprobs] | None] = field(default_factory=list)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Speculative decoding: req_id -> draft tokens proposed after this step's tokens.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

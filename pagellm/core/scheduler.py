@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request_queue import create_request_queue
@@ -17,7 +17,7 @@ from pagellm.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagellm.metrics.stats import SchedulerStats
+from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
 from pagellm.request import Request, RequestStatus
 
 logger = logging.getLogger("pagellm")
@@ -48,6 +48,14 @@ class Scheduler:
     Waiting requests never preempt running ones, whatever their priority.
 
     ``num_computed_tokens`` advances at schedule time: the runner computes all it is given.
+
+    With ``async_scheduling`` (SchedulerConfig), step N+1 is scheduled before step N's tokens
+    come back. Each request counts the tokens it will sample in steps not yet processed
+    (``num_output_placeholders``); a decoding request runs its next position while the token
+    for it is still in flight (the runner, which runs steps in order, knows it by then), and
+    max_tokens / max_model_len count the tokens in flight, so nothing runs past them. A request
+    that stops (EOS, stop token) at step N may already be in step N+1: that token is computed
+    and dropped, never emitted.
     """
 
     def __init__(
@@ -56,9 +64,11 @@ class Scheduler:
         cache_config: CacheConfigLike,
         num_blocks: int,
         kv_group_windows: list[int | None] | None = None,
+        speculative_config: Any = None,
     ) -> None:
         """``kv_group_windows``: the sliding window of each KV cache group
-        (core/kv_cache_groups.py; None: one group of full attention)."""
+        (core/kv_cache_groups.py; None: one group of full attention). ``speculative_config``:
+        a SpeculativeConfig (spec_decode/config.py) or None."""
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -73,6 +83,21 @@ class Scheduler:
             group_windows=kv_group_windows,
         )
         self.policy = getattr(scheduler_config, "policy", "fcfs")
+        self.async_scheduling = getattr(scheduler_config, "async_scheduling", False)
+        # vLLM's long_prefill_token_threshold: while other requests are scheduled too, no
+        # request gets more than this many tokens in a step (0: off); set per step in schedule().
+        self.long_prefill_token_threshold = getattr(scheduler_config,
+                                                    "long_prefill_token_threshold", 0)
+        self._chunk_cap = self.max_num_batched_tokens
+        # Speculative decoding: a running request's drafts (Request.spec_token_ids) run after
+        # its last known token; update_from_output rolls num_computed_tokens back over the
+        # rejected ones (their K/V is overwritten later, and blocks holding them are never
+        # cached: the KV cache manager caches known tokens only).
+        spec = speculative_config
+        self.num_lookahead_slots = spec.num_lookahead_slots if spec is not None else 0
+        self.spec_stats = (SpecDecodingStats(spec.num_speculative_tokens)
+                           if spec is not None else None)
+        self._scheduled_drafts: dict[str, list[int]] = {}
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -92,6 +117,7 @@ class Scheduler:
                 f"({self.max_model_len})."
             )
         request.status = RequestStatus.WAITING
+        request.num_lookahead_slots = self.num_lookahead_slots
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -108,6 +134,11 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: set[str] = set()
+        self._scheduled_drafts = {}
+        threshold = self.long_prefill_token_threshold
+        # A request alone has nobody to keep waiting: it may take the whole budget (as vLLM).
+        self._chunk_cap = (threshold if threshold > 0 and len(self.running) + len(self.waiting) > 1
+                           else self.max_num_batched_tokens)
         budget = self._schedule_running(self.max_num_batched_tokens, num_scheduled, cached,
                                         preempted)
         # A step that had to preempt is short of blocks: admitting more would only preempt again.
@@ -120,6 +151,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
+            scheduled_spec_decode_tokens=self._scheduled_drafts,
         )
         self.finished_req_ids = set()
         return out
@@ -136,30 +168,38 @@ class Scheduler:
 
         # A long prefill chunk must not take the tokens of the decodes queued behind it: each
         # chunk leaves one token per decoding request still to come (no request stalls).
-        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        decodes_left = sum(1 for r in self.running if self._num_uncomputed(r) == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            remaining = request.num_tokens - request.num_computed_tokens
+            remaining = self._num_uncomputed(request)
             if remaining == 1:
                 decodes_left -= 1
                 room = budget
             else:
-                room = budget - decodes_left
+                room = min(budget - decodes_left, self._chunk_cap)
             num_new = min(remaining, room, self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:  # nothing to compute until the runner samples its next token
                 i += 1
                 continue
-            new_blocks = kv.allocate_slots(request, num_new)
+            if request.spec_token_ids:
+                # Drafts only with the tokens left after one per decode still to come.
+                num_new += self._fit_drafts(request, remaining, min(
+                    budget - num_new - decodes_left, self._chunk_cap - num_new))
+            num_slots = num_new + self._lookahead(request, request.num_computed_tokens + num_new)
+            new_blocks = kv.allocate_slots(request, num_slots)
             while new_blocks is None:
                 victim = self.running.pop(self._victim_index(i))
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is request:
                     break
-                new_blocks = kv.allocate_slots(request, num_new)
+                new_blocks = kv.allocate_slots(request, num_slots)
             if new_blocks is None:
                 break
+            if request.spec_token_ids:  # consumed: the runner returns new ones
+                self._scheduled_drafts[request.request_id] = request.spec_token_ids
+                request.spec_token_ids = []
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks])
             if kv.num_groups > 1:
@@ -168,6 +208,7 @@ class Scheduler:
             cached.num_computed_tokens.append(request.num_computed_tokens)
             num_scheduled[request.request_id] = num_new
             request.num_computed_tokens += num_new
+            self._count_placeholder(request)
             budget -= num_new
             i += 1
         return budget
@@ -184,8 +225,9 @@ class Scheduler:
                 skipped.append(self.waiting.pop())
                 continue
             computed_blocks, num_hit = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
-            if kv.allocate_slots(request, num_new, computed_blocks, num_hit) is None:
+            num_new = min(request.num_tokens - num_hit, budget, self._chunk_cap)
+            num_slots = num_new + self._lookahead(request, num_hit + num_new)
+            if kv.allocate_slots(request, num_slots, computed_blocks, num_hit) is None:
                 break  # FCFS: no skipping ahead, no preemption for waiting requests
             self.waiting.pop()
             self.running.append(request)
@@ -206,10 +248,46 @@ class Scheduler:
             )
             num_scheduled[request.request_id] = num_new
             request.num_computed_tokens = num_hit + num_new
+            self._count_placeholder(request)
             budget -= num_new
         for request in reversed(skipped):
             self.waiting.prepend(request)
         return budget
+
+    def _num_uncomputed(self, request: Request) -> int:
+        """Tokens the request could run now: its known tokens not computed yet, plus (async
+        scheduling) the position of a token still in flight, unless the tokens in flight
+        already end the request by max_tokens or max_model_len."""
+        in_flight = request.num_output_placeholders
+        if in_flight and (request.num_output_tokens + in_flight >= request.max_tokens
+                          or request.num_tokens + in_flight >= self.max_model_len):
+            return 0
+        return request.num_tokens + in_flight - request.num_computed_tokens
+
+    def _count_placeholder(self, request: Request) -> None:
+        """Async scheduling: a step that reaches the end of the request's tokens (known and in
+        flight) samples one more; it is in flight until update_from_output gets it."""
+        if (self.async_scheduling and request.num_computed_tokens
+                >= request.num_tokens + request.num_output_placeholders):
+            request.num_output_placeholders += 1
+
+    def _fit_drafts(self, request: Request, remaining: int, room: int) -> int:
+        """How many of the request's drafts run this step (the rest are dropped): within
+        ``room`` tokens of budget, max_model_len, and max_tokens (a step emits at most one
+        token more than it has drafts), and only after its last known token."""
+        num_drafts = min(len(request.spec_token_ids), room,
+                         self.max_model_len - request.num_computed_tokens - 1,
+                         request.max_tokens - request.num_output_tokens - 1)
+        num_drafts = max(num_drafts, 0) if remaining == 1 else 0
+        del request.spec_token_ids[num_drafts:]
+        return num_drafts
+
+    def _lookahead(self, request: Request, num_computed_after: int) -> int:
+        """KV slots past the scheduled tokens a draft model writes while proposing after this
+        step (one that reaches the end of the request's known tokens), within max_model_len."""
+        if not self.num_lookahead_slots or num_computed_after < request.num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_slots, self.max_model_len - num_computed_after))
 
     def _victim_index(self, start: int) -> int:
         """Which of ``running[start:]`` (not yet scheduled this step) to preempt."""
@@ -222,6 +300,10 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # proposed again after it resumes and samples
+        # Async scheduling: its tokens still in flight are dropped when they come back (the
+        # request is no longer RUNNING); it samples them again after it resumes.
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -245,10 +327,14 @@ class Scheduler:
         for req_id in sched_output.num_scheduled_tokens:
             i = index.get(req_id)
             request = self.requests.get(req_id)
-            # Aborted while its step ran, or no token (prefill chunk short of the end).
-            if i is None or request is None or request.is_finished:
+            # Aborted while its step ran, or no token (prefill chunk short of the end); async
+            # scheduling: finished or preempted after this step was scheduled.
+            if i is None or request is None or request.status != RequestStatus.RUNNING:
                 continue
             sampled = runner_output.sampled_token_ids[i]
+            if sampled and self.async_scheduling:
+                assert request.num_output_placeholders > 0, req_id
+                request.num_output_placeholders -= 1
             prompt_lps = runner_output.prompt_logprobs.get(req_id)
             if not sampled:
                 if prompt_lps is not None:  # a prefill chunk's scores, sent as they come
@@ -257,6 +343,9 @@ class Scheduler:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
+            drafts = sched_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                self._rollback_rejected(request, len(drafts), len(sampled) - 1)
             new_token_ids: list[int] = []
             for token_id in sampled:
                 if request.grammar is not None and not self._accept_grammar_token(request,
@@ -267,11 +356,14 @@ class Scheduler:
                 if self._check_stop(request):
                     break
             lp = runner_output.logprobs[i] if i < len(runner_output.logprobs) else None
-            new_logprobs: list[Logprobs] = [lp] if lp is not None else []
+            new_logprobs: list[Logprobs] = (lp[:len(new_token_ids)] if isinstance(lp, list)
+                                            else [lp] if lp is not None else [])
             finish = request.get_finish_reason()
             if finish is not None:
                 self._free_request(request)
                 any_finished = True
+            elif runner_output.spec_token_ids:
+                request.spec_token_ids = list(runner_output.spec_token_ids.get(req_id, ()))
             outputs.append(
                 EngineCoreOutput(
                     req_id=req_id,
@@ -286,6 +378,14 @@ class Scheduler:
         if any_finished:  # one pass, not a list.remove per finished request
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _rollback_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A verify step ran ``num_drafts`` drafts and accepted the first ``num_accepted``: the
+        positions of the rejected ones are computed again later (their K/V is overwritten)."""
+        assert 0 <= num_accepted <= num_drafts, (request.request_id, num_accepted, num_drafts)
+        request.num_computed_tokens -= num_drafts - num_accepted
+        if self.spec_stats is not None:
+            self.spec_stats.observe(num_drafts, num_accepted)
 
     def _accept_grammar_token(self, request: Request, token_id: int) -> bool:
         """Feed a sampled token to the request's grammar; False (and FINISHED_ERROR) when the
@@ -344,12 +444,19 @@ class Scheduler:
         runner again (it may have failed before dropping them; dropping twice is a no-op).
         The blocks the step hashed leave the prefix cache first: nothing wrote their K/V.
         Returns the failed request ids."""
-        self.kv_cache_manager.uncache_step()
+        # Async scheduling fails the step in flight with this one, scheduled after it.
+        self.kv_cache_manager.uncache_step(include_previous=self.async_scheduling)
         failed = [r for r in sched_output.num_scheduled_tokens
                   if r in self.requests and not self.requests[r].is_finished]
         self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         self.finished_req_ids |= sched_output.finished_req_ids | sched_output.preempted_req_ids
         return failed
+
+    def defer_to_next_step(self, sched_output: SchedulerOutput) -> None:
+        """``sched_output`` schedules no token and will not run (async scheduling): the
+        finished and preempted ids it carries for the runner go with the next step."""
+        assert sched_output.total_num_scheduled_tokens == 0
+        self.finished_req_ids |= sched_output.finished_req_ids | sched_output.preempted_req_ids
 
     def _free_request(self, request: Request) -> None:
         """Free a finished request's blocks and forget it (the caller unlinks it from the
@@ -372,4 +479,5 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
+            spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
         )

@@ -101,8 +101,10 @@ class AsyncLLM:
         self.input_processor = InputProcessor(config, tokenizer, eos_token_id)
         self.output_processor = OutputProcessor(tokenizer)
         self.request_stats = RequestStatsTracker()
-        self.prometheus = PrometheusStatLogger(config.model.served_model_name,
-                                               config.model.max_model_len)
+        spec = config.speculative_config
+        self.prometheus = PrometheusStatLogger(
+            config.model.served_model_name, config.model.max_model_len,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
         self.stat_logger = LoggingStatLogger() if log_stats else None
         self.stat_log_interval_s = stat_log_interval_s
         self.scheduler_stats = SchedulerStats()
@@ -133,6 +135,12 @@ class AsyncLLM:
     def num_unfinished_requests(self) -> int:
         """Sequences (n > 1 counts n) sent to the engine and not yet finished or aborted."""
         return len(self.request_stats)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens of the sequences sent to the engine that have no output token yet
+        (each of n samples counts its prompt; a chunked prompt counts whole until then)."""
+        return self.request_stats.num_prefill_tokens
 
     @property
     def errored(self) -> bool:

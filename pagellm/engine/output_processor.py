@@ -158,11 +158,13 @@ class OutputProcessor:
         if state.first_token_time is None:
             state.first_token_time = now
         state.last_token_time = now
-        self._add_logprobs(sample, out.new_logprobs)
+        num_before = len(sample.detok.output_token_ids)
         # EOS / stop token ids: the token stays in token_ids, its text stays out.
         stop_str = sample.detok.update(out.new_token_ids,
                                        stop_terminated=out.finish_reason == "stop")
         sample.token_ids = sample.detok.output_token_ids  # cut after a stop string
+        # One record per token kept (a stop string may end several new tokens early).
+        self._add_logprobs(sample, out.new_logprobs[:len(sample.token_ids) - num_before])
         if stop_str is None:
             return False
         sample.finish_reason, sample.stop_reason = "stop", stop_str

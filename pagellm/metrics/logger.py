@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from pagellm.metrics.request_stats import IterationMetrics
-from pagellm.metrics.stats import SchedulerStats
+from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger("pagellm")
 
@@ -25,6 +25,7 @@ class LoggingStatLogger:
         self.num_generation_tokens = 0
         self.stats = SchedulerStats()
         self._last_was_busy = False
+        self._last_spec: SpecDecodingStats | None = None  # counters at the last spec line
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration: IterationMetrics | None) -> None:
@@ -51,7 +52,31 @@ class LoggingStatLogger:
                 f"KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, "
                 f"prefix cache hit rate: {hit_rate:.1f}%, preemptions: {s.num_preemptions}")
         logger.info(line)
+        spec_line = self._spec_line(elapsed)
+        if spec_line is not None:
+            logger.info(spec_line)
+            line += "\n" + spec_line
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.last_log_time = now
         self._last_was_busy = busy
         return line
+
+    def _spec_line(self, elapsed: float) -> str | None:
+        """vLLM's speculative-decoding line over the drafts verified since the last one."""
+        spec = self.stats.spec_decoding
+        if spec is None:
+            return None
+        last = self._last_spec or SpecDecodingStats(spec.num_spec_tokens)
+        self._last_spec = spec
+        d = spec.since(last)
+        if d.num_drafts <= 0:
+            return None
+        per_pos = ", ".join(f"{n / d.num_drafts:.3f}" for n in d.num_accepted_tokens_per_pos)
+        rate = 100.0 * d.num_accepted_tokens / d.num_draft_tokens if d.num_draft_tokens else 0.0
+        return (f"SpecDecoding metrics: Mean acceptance length: "
+                f"{1 + d.num_accepted_tokens / d.num_drafts:.2f}, Accepted throughput: "
+                f"{d.num_accepted_tokens / elapsed:.2f} tokens/s, Drafted throughput: "
+                f"{d.num_draft_tokens / elapsed:.2f} tokens/s, Accepted: "
+                f"{d.num_accepted_tokens} tokens, Drafted: {d.num_draft_tokens} tokens, "
+                f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: "
+                f"{rate:.1f}%")

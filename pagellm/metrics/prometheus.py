@@ -15,7 +15,7 @@ from prometheus_client import (
 )
 
 from pagellm.metrics.request_stats import IterationMetrics
-from pagellm.metrics.stats import SchedulerStats
+from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -42,7 +42,10 @@ def token_buckets(max_value: int) -> list[int]:
 
 class PrometheusStatLogger:
     def __init__(self, model_name: str, max_model_len: int,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None,
+                 num_speculative_tokens: int = 0) -> None:
+        """``num_speculative_tokens`` > 0 (speculative decoding on): the acceptance counters
+        too."""
         self.registry = registry or CollectorRegistry(auto_describe=True)
         reg, labels = self.registry, ["model_name"]
 
@@ -83,6 +86,8 @@ class PrometheusStatLogger:
                                                "Generated tokens per request.", tokens)
         # The engine reports cumulative counters; Prometheus counters take increments.
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        self.spec = (_SpecDecodingCounters(reg, model_name, num_speculative_tokens)
+                     if num_speculative_tokens > 0 else None)
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration: IterationMetrics | None) -> None:
@@ -97,6 +102,8 @@ class PrometheusStatLogger:
             self._last_queries = s.prefix_cache_queries
             self._last_hits = s.prefix_cache_hits
             self._last_preemptions = s.num_preemptions
+            if self.spec is not None and s.spec_decoding is not None:
+                self.spec.record(s.spec_decoding)
         if iteration is not None:
             self.prompt_tokens.inc(iteration.num_prompt_tokens)
             self.generation_tokens.inc(iteration.num_generation_tokens)
@@ -115,3 +122,33 @@ class PrometheusStatLogger:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _SpecDecodingCounters:
+    """vLLM's speculative-decoding counters, fed with the scheduler's cumulative ones."""
+
+    def __init__(self, reg: CollectorRegistry, model_name: str, num_spec_tokens: int) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"pagellm:{name}", doc, ["model_name"], registry=reg).labels(
+                model_name)
+
+        self.drafts = counter("spec_decode_num_drafts", "Verify steps of requests with drafts.")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                       "Draft tokens accepted.")
+        per_pos = Counter("pagellm:spec_decode_num_accepted_tokens_per_pos",
+                          "Accepted draft tokens by position in the draft (0: the first).",
+                          ["model_name", "position"], registry=reg)
+        self.accepted_per_pos = [per_pos.labels(model_name, str(pos))
+                                 for pos in range(num_spec_tokens)]
+        self.last = SpecDecodingStats(num_spec_tokens)
+
+    def record(self, stats: SpecDecodingStats) -> None:
+        delta = stats.since(self.last)
+        self.drafts.inc(max(0, delta.num_drafts))
+        self.draft_tokens.inc(max(0, delta.num_draft_tokens))
+        self.accepted_tokens.inc(max(0, delta.num_accepted_tokens))
+        for child, n in zip(self.accepted_per_pos, delta.num_accepted_tokens_per_pos,
+                            strict=True):
+            child.inc(max(0, n))
+        self.last = stats

@@ -48,12 +48,16 @@ class RequestStatsTracker:
 
     def __init__(self) -> None:
         self._timings: dict[str, _Timing] = {}
+        # Prompt tokens of the samples without a first token yet (vLLM's count for
+        # --max-num-queued-tokens: a prompt counts whole until its first token arrives).
+        self.num_prefill_tokens = 0
 
     def __len__(self) -> int:
         return len(self._timings)
 
     def add(self, req_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
         self._timings[req_id] = _Timing(arrival_time, num_prompt_tokens)
+        self.num_prefill_tokens += num_prompt_tokens
 
     def update(self, outputs: list[EngineCoreOutput], first_scheduled_times: dict[str, float],
                stopped: list[str], now: float | None = None) -> IterationMetrics:
@@ -71,6 +75,7 @@ class RequestStatsTracker:
             if num_new:
                 if t.first_token_time is None:
                     t.first_token_time = now
+                    self.num_prefill_tokens -= t.num_prompt_tokens
                     it.num_prompt_tokens += t.num_prompt_tokens
                     it.time_to_first_tokens.append(now - t.arrival_time)
                 else:
@@ -98,6 +103,8 @@ class RequestStatsTracker:
 
     def _finish(self, req_id: str, reason: str, now: float) -> FinishedRequestStats:
         t = self._timings.pop(req_id)
+        if t.first_token_time is None:
+            self.num_prefill_tokens -= t.num_prompt_tokens
         queue_time = None
         if t.first_scheduled_time is not None:
             queue_time = max(0.0, t.first_scheduled_time - t.arrival_time)

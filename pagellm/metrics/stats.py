@@ -2,7 +2,45 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SpecDecodingStats:
+    """``num_drafts``: verify steps of a request (one per request that had drafts in a step);
+    ``num_accepted_tokens_per_pos[j]``: how many of them accepted draft j + 1 (and all before)."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        assert 0 <= num_accepted <= num_draft_tokens <= self.num_spec_tokens
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    def snapshot(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_spec_tokens, self.num_drafts, self.num_draft_tokens,
+                                 self.num_accepted_tokens,
+                                 list(self.num_accepted_tokens_per_pos))
+
+    def since(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
+        """The counts added after ``earlier`` (a snapshot of the same counters)."""
+        return SpecDecodingStats(
+            self.num_spec_tokens, self.num_drafts - earlier.num_drafts,
+            self.num_draft_tokens - earlier.num_draft_tokens,
+            self.num_accepted_tokens - earlier.num_accepted_tokens,
+            [a - b for a, b in zip(self.num_accepted_tokens_per_pos,
+                                   earlier.num_accepted_tokens_per_pos, strict=True)])
 
 
 @dataclass(slots=True)
@@ -18,3 +56,5 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    # Speculative decoding's cumulative acceptance counters (None: speculation off).
+    spec_decoding: SpecDecodingStats | None = None

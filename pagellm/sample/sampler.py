@@ -132,22 +132,27 @@ class Sampler:
         if meta.all_greedy:
             return argmax_rows(logits)
         greedy = None if meta.all_random else argmax_rows(logits)
-
-        temperature = meta.temperature
-        if greedy is not None:
-            # Greedy rows (temperature 0) are decided above; divide them by 1 to stay finite.
-            temperature = torch.where(temperature > 0, temperature, 1.0)
-        logits = logits.div_(temperature.unsqueeze(1))
-        if meta.min_p is not None:
-            logits = apply_min_p(logits, meta.min_p)
-        if meta.top_k is not None or meta.top_p is not None:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
-        probs = logits.softmax(dim=-1)
+        probs = sampling_probs(logits, meta)
         sampled = exponential_sample(probs, meta.generators, self.generator)
 
         if greedy is None:
             return sampled
         return torch.where(meta.temperature > 0, sampled, greedy)
+
+
+def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows draw from: temperature, then min-p, then top-k / top-p,
+    then softmax (greedy rows divided by 1: finite, and decided elsewhere). Modifies
+    ``logits`` (float32) in place. Speculative decoding's rejection sampler uses it too."""
+    temperature = meta.temperature
+    if not meta.all_random:
+        temperature = torch.where(temperature > 0, temperature, 1.0)
+    logits = logits.div_(temperature.unsqueeze(1))
+    if meta.min_p is not None:
+        logits = apply_min_p(logits, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
+    return logits.softmax(dim=-1)
 
 
 def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor,

@@ -33,13 +33,19 @@ def config_kv_bytes_per_token(config: EngineConfig) -> int:
 
 def plan_for_device(config: EngineConfig, weight_bytes: int,
                     profile_peak_activation: Callable[[], int],
-                    cuda_graph_bytes: Callable[[int], int] | None = None) -> KVCachePlan:
+                    cuda_graph_bytes: Callable[[int], int] | None = None,
+                    draft_kv_bytes_per_token: int = 0) -> KVCachePlan:
     """CPU: the explicit --kv-cache-memory, or a safe share of free RAM. CUDA: the part of
     gpu_memory_utilization x total memory left after weights, peak activations (measured by a
     profiling forward), memory outside torch and the decode CUDA graphs (``cuda_graph_bytes``:
-    peak activation bytes -> an estimate, as the graphs are captured after the KV cache)."""
+    peak activation bytes -> an estimate, as the graphs are captured after the KV cache).
+    ``draft_kv_bytes_per_token``: a draft model's cache (spec_decode/draft_model.py), whose
+    blocks share the target's ids: a block costs both, so one budget bounds both caches."""
     device = config.device.device
-    per_token = config_kv_bytes_per_token(config)
+    per_token = config_kv_bytes_per_token(config) + draft_kv_bytes_per_token
+    if draft_kv_bytes_per_token:
+        logger.info("KV bytes/token: target %d + draft model %d",
+                    per_token - draft_kv_bytes_per_token, draft_kv_bytes_per_token)
     cache = config.cache
     if device.type == "cuda":
         activation = profile_peak_activation()

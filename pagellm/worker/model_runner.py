@@ -10,25 +10,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagellm.attention.backend import AttentionMetadata, Workspace
+from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
-from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.communication import all_reduce_min, broadcast_from_rank0
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagellm.forward_context import set_forward_context
-from pagellm.layers.attention import Attention
-from pagellm.layers.linear import prepack_linears_for_cpu
-from pagellm.models.llama_cpu_fused import enable_fused_cpu_forward
 from pagellm.sample.grammar import grammar_rows
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler, SamplerOutput
+from pagellm.spec_decode.runner import SpecDecodeRunner
 from pagellm.worker.cuda_graphs import (
     GraphMemoryReserve,
     GraphRunner,
     build_graph_runner,
     planned_capture_sizes,
 )
+from pagellm.worker.flat_batch import flat_positions, paged_attention_metadata
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
 from pagellm.worker.kv_cache import allocate_kv_caches, plan_for_device
 from pagellm.worker.prompt_logprobs import (
@@ -36,6 +34,7 @@ from pagellm.worker.prompt_logprobs import (
     compute_prompt_logprobs,
     plan_prompt_logprobs,
 )
+from pagellm.worker.runner_model import load_runner_model
 
 logger = logging.getLogger("pagellm")
 
@@ -100,6 +99,10 @@ class ModelRunner:
                                       self.vocab_size, self.device, samples=self.tp_rank == 0)
         self.input_batch.set_num_kv_groups(self.kv_layout.num_groups)
         self.sampler = Sampler(self.generator)
+        # Speculative decoding (--speculative-config; spec_decode/runner.py), None when off.
+        self.spec_decode = (SpecDecodeRunner(config, self.generator, _step_seed, eos_token_id,
+                                             self.tp_rank, self.tp_size)
+                            if config.speculative_config is not None else None)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.graph_runner: GraphRunner | None = None  # decode CUDA graphs (initialize_kv_cache)
@@ -108,18 +111,8 @@ class ModelRunner:
     def load_model(self) -> torch.nn.Module:
         """The model from its checkpoint, in the layouts the kernels read (start-up and
         ``wake_up`` after ``sleep(level=2)``)."""
-        from pagellm.models.loader import build_model
-
-        m = self.config.model
-        model = build_model(m.hf_config, m.source, self.dtype, self.device, m.load_format,
-                            m.quantization, m.max_model_len)
-        model.eval()
-        # Before the fused CPU path, which asks the layers for their backend.
-        bind_attention_backends(model, self.attention_backend, self.device)
-        assign_kv_cache_groups(model, self.kv_layout)
-        prepack_linears_for_cpu(model)
-        enable_fused_cpu_forward(model)
-        return model
+        return load_runner_model(self.config.model, self.device, self.attention_backend,
+                                 self.kv_layout)
 
     # ---- KV cache -------------------------------------------------------------------------
     def initialize_kv_cache(self) -> int:
@@ -133,8 +126,12 @@ class ModelRunner:
             graph_sizes = []
         reserve = GraphMemoryReserve(graph_sizes, self.config.scheduler.max_num_batched_tokens)
         start = time.perf_counter()
-        plan = plan_for_device(self.config, self.weight_bytes, self._profile_peak_activation,
-                               reserve if graph_sizes else None)
+        # A draft model's weights and KV (spec_decode/draft_model.py) share the budget.
+        proposer = self.spec_decode.proposer if self.spec_decode is not None else None
+        plan = plan_for_device(self.config,
+                               self.weight_bytes + (proposer.weight_bytes if proposer else 0),
+                               self._profile_peak_activation, reserve if graph_sizes else None,
+                               proposer.kv_bytes_per_token if proposer else 0)
         profile_seconds = time.perf_counter() - start
         if self.tp_size > 1:
             # Ranks may measure different free memory; the scheduler has one block pool.
@@ -150,6 +147,8 @@ class ModelRunner:
         kv_seconds = time.perf_counter() - start
         self.input_batch.set_null_block(plan.num_blocks)
         self.num_blocks = plan.num_blocks
+        if self.spec_decode is not None:
+            self.spec_decode.initialize(plan.num_blocks)
         self.kv_plan = plan
         self._graph_plan = (graph_sizes, reserve.reserved_bytes)  # for wake_up's re-capture
         self.capture_graphs()
@@ -216,6 +215,8 @@ class ModelRunner:
             state = batch.requests[req_id]
             batch.append_blocks(state, block_ids, groups)
             state.num_computed_tokens = num_computed
+        if self.spec_decode is not None:
+            self.spec_decode.update_states(so, batch)
         if self.zero_new_blocks:
             self._zero_new_blocks(so)
 
@@ -255,19 +256,11 @@ class ModelRunner:
                                 dtype=np.int64, count=len(states))
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
                                    count=len(states))
-        cu = np.zeros(len(states) + 1, dtype=np.int64)
-        np.cumsum(num_sched, out=cu[1:])
-        total = int(cu[-1])
-        assert total == so.total_num_scheduled_tokens
-        token_req = np.repeat(np.arange(len(states)), num_sched)
-        positions = np.arange(total) - cu[:-1][token_req] + num_computed[token_req]
+        cu, token_req, positions = flat_positions(num_computed, num_sched)
+        assert int(cu[-1]) == so.total_num_scheduled_tokens
         token_rows = rows[token_req]
         input_ids = batch.token_ids[token_rows, positions]
-        slot_mapping = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs \
-            + positions % bs
         seq_lens = num_computed + num_sched
-        max_seq_len = int(seq_lens.max())
-        block_tables = batch.block_table[rows, : -(-max_seq_len // bs)]
         # A request samples only when this step reaches the end of its known tokens.
         num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64,
                                  count=len(states))
@@ -279,21 +272,11 @@ class ModelRunner:
                                                batch.token_ids)
 
         dev = self.device
-        meta = AttentionMetadata(
-            num_tokens=total, num_seqs=len(states),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(
-                dev, non_blocking=True),
-            max_query_len=int(num_sched.max()), max_seq_len=max_seq_len,
-            query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist(),
-            is_decode_only=bool((num_sched == 1).all()),
-            padding_is_zero=self.zero_new_blocks,
-        )
+        meta = paged_attention_metadata(batch.block_table, rows, token_rows, positions, cu,
+                                        num_sched, seq_lens, bs, dev, self.zero_new_blocks)
         if batch.group_block_tables:
             meta.group_metadata = [meta] + [
-                self._group_metadata(meta, table, rows, token_rows, positions, max_seq_len)
+                self._group_metadata(meta, table, rows, token_rows, positions, meta.max_seq_len)
                 for table in batch.group_block_tables]
         return PreparedInputs(
             input_ids=torch.from_numpy(input_ids).to(dev, non_blocking=True),
@@ -323,6 +306,13 @@ class ModelRunner:
         order = [n.req_id for n in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
         states = [batch.requests[r] for r in order]
         inputs = self._prepare_inputs(so, states)
+        verify = None
+        if so.scheduled_spec_decode_tokens:
+            assert self.spec_decode is not None
+            # Verifying requests sample all their draft positions (the rejection sampler).
+            verify, inputs.logits_indices, inputs.sample_rows = self.spec_decode.plan(
+                so, states, inputs.attn_metadata.query_start_loc_cpu, inputs.logits_indices,
+                inputs.sample_rows)
         hidden = self._forward(inputs)
         prompt_logprobs = {}
         if inputs.prompt_logprobs is not None:
@@ -334,10 +324,15 @@ class ModelRunner:
         logprobs: list = [None] * len(states)
         if len(inputs.logits_indices):
             self._sample_and_append(hidden, inputs, states, sampled, logprobs)
+        if verify is not None:
+            assert self.spec_decode is not None
+            self.spec_decode.verify(self.model, hidden, verify, states, batch, sampled, logprobs)
         for state in states:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
+        spec_token_ids = (self.spec_decode.propose(batch, states, sampled)
+                          if self.spec_decode is not None else {})
         return ModelRunnerOutput(req_ids=order, sampled_token_ids=sampled, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs)
+                                 prompt_logprobs=prompt_logprobs, spec_token_ids=spec_token_ids)
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         """Replace some or all weights in place (``LLM.load_weights``); between steps only."""
@@ -414,32 +409,6 @@ class ModelRunner:
         if grammar_bitmask is not None:
             smeta.grammar_bitmask = grammar_rows(grammar_bitmask, sample_states, self.device)
         return self.sampler(logits, smeta)
-
-
-def bind_attention_backends(model: torch.nn.Module, backend_name: str,
-                            device: torch.device) -> None:
-    """Name this engine's backend on every attention layer of ``model`` that names none (the
-    process-wide default belongs to no engine), build the backends, and give them all one
-    scratch workspace: the layers run one after another."""
-    workspace: Workspace = {}
-    for module in model.modules():
-        if isinstance(module, Attention):
-            if module.backend_name is None:
-                module.backend_name = backend_name
-            module.get_backend(device).workspace = workspace
-
-
-def assign_kv_cache_groups(model: torch.nn.Module, layout: KVCacheLayout) -> None:
-    """Tell every attention layer which KV cache group's block tables it reads; its window
-    must be its group's (the scheduler frees blocks by the group's window)."""
-    for module in model.modules():
-        if isinstance(module, Attention):
-            group = layout.group_of_layer[module.layer_idx]
-            if module.sliding_window != layout.groups[group].sliding_window:
-                raise ValueError(f"layer {module.layer_idx}: sliding window "
-                                 f"{module.sliding_window} differs from its KV cache group's "
-                                 f"({layout.groups[group].sliding_window})")
-            module.kv_cache_group = group
 
 
 def _step_seed(seed: int | None, position: int) -> int:

@@ -120,6 +120,13 @@ class MultiprocExecutor:
         self._send("execute_model", (sched_output,), (0,))
         return self._wait_replies((0,), None)[0]
 
+    def execute_model_async(self, sched_output: SchedulerOutput) -> _StepReply:
+        """Broadcast the step and return; rank 0's reply is read by ``result()``. The ranks run
+        the calls in order, so the engine collects them in order too, and makes no other call
+        while one is outstanding (EngineCore drains it first)."""
+        self._send("execute_model", (sched_output,), (0,))
+        return _StepReply(self, self._call_id)
+
     def _call_all(self, method: str, args: tuple = (), timeout_s: float | None = None
                   ) -> list[Any]:
         """Run ``Worker.<method>(*args)`` on every rank; the results in rank order."""
@@ -181,10 +188,12 @@ class MultiprocExecutor:
             if not proc.is_alive():
                 self._fail(self._death_message(rank))
 
-    def _wait_replies(self, ranks: Iterable[int], timeout_s: float | None, kind: str = "ok"
-                      ) -> dict[int, Any]:
-        """Wait for ``kind`` replies from ``ranks``. An error or death of any rank (not only
-        of those) raises WorkerFailedError naming it."""
+    def _wait_replies(self, ranks: Iterable[int], timeout_s: float | None, kind: str = "ok",
+                      call_id: int | None = None) -> dict[int, Any]:
+        """Wait for ``kind`` replies from ``ranks`` to call ``call_id`` (default: the last
+        sent). An error or death of any rank (not only of those) raises WorkerFailedError
+        naming it."""
+        awaited = self._call_id if call_id is None else call_id
         pending = set(ranks)
         results: dict[int, Any] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -202,7 +211,7 @@ class MultiprocExecutor:
                     self._fail(self._death_message(sentinels[obj]))
                 rank = rank_of[id(obj)]
                 try:
-                    status, call_id, payload = obj.recv()
+                    status, reply_id, payload = obj.recv()
                 except (EOFError, OSError):
                     self._fail(self._death_message(rank))
                 if status == "error":
@@ -212,7 +221,7 @@ class MultiprocExecutor:
                         self.shutdown()
                         raise ValueError(f"{exc} (tensor-parallel rank {rank})") from None
                     self._fail(f"tensor-parallel worker rank {rank} failed:\n{text}")
-                if call_id != self._call_id:
+                if reply_id != awaited:
                     continue  # the answer to a call interrupted in this process (Ctrl-C)
                 assert status == kind and rank in pending, (status, rank, kind)
                 results[rank] = payload
@@ -246,6 +255,17 @@ class MultiprocExecutor:
         if first:
             logger.error("%s", message)
         self._terminate_workers()
+
+
+@dataclasses.dataclass
+class _StepReply:
+    """An ``execute_model_async`` call: its reply, read on demand."""
+
+    executor: MultiprocExecutor
+    call_id: int
+
+    def result(self) -> ModelRunnerOutput:
+        return self.executor._wait_replies((0,), None, call_id=self.call_id)[0]
 
 
 def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:

@@ -41,7 +41,8 @@ def make_config(max_model_len: int = 64, step_delay_s: float = 0.002,
     scheduler = SimpleNamespace(max_num_seqs=8, policy="fcfs")
     return SimpleNamespace(model=model, scheduler=scheduler, step_delay_s=step_delay_s,
                            fail_after_steps=fail_after_steps, fail_at_start=fail_at_start,
-                           fail_add_token=fail_add_token, step_gate=step_gate)
+                           fail_add_token=fail_add_token, step_gate=step_gate,
+                           speculative_config=None)
 
 
 # Each message's content, then a space: the word-level tokenizer reads it back as words.

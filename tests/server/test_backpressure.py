@@ -1,13 +1,18 @@
-"""--max-waiting-requests: past the bound, new requests get 503 + Retry-After (not an ever
-growing queue); once the backlog drains, requests are admitted again."""
+"""--max-waiting-requests (alias --max-queued-requests): past the bound, new requests get 503 +
+Retry-After (not an ever growing queue); once the backlog drains, requests are admitted again
+and no KV block stays taken."""
 
 from __future__ import annotations
 
+import argparse
 import threading
 
 import httpx
+import openai
 import pytest
 from server_utils import ServerProcess, metric, scrape, wait_until
+
+from pagellm.entrypoints.openai.cli_serve import add_server_args, server_limits_from
 
 # One running sequence plus two waiting ones fit; a fourth sequence is refused. The long
 # requests must outlast the checks: with a 256-token context the tiny model finished one in a
@@ -45,21 +50,35 @@ def stream_first_chunk(base_url: str, body: dict, started: threading.Event,
         results.append(text)
 
 
+def fill_queue(base: str, hold: threading.Event) -> list[threading.Thread]:
+    """1 running + 2 waiting streams, open until ``hold`` is set."""
+    threads, results = [], []
+    for _ in range(3):
+        started = threading.Event()
+        res: list = []
+        t = threading.Thread(target=stream_first_chunk,
+                             args=(base, LONG, started, res, hold), daemon=True)
+        t.start()
+        assert started.wait(60)
+        threads.append(t)
+        results.append(res)
+    assert [r[0] for r in results] == [200, 200, 200]
+    return threads
+
+
+def drained(base: str) -> bool:
+    m = scrape(base)
+    return (metric(m, "pagellm:num_requests_running") == 0
+            and metric(m, "pagellm:num_requests_waiting") == 0
+            and metric(m, "pagellm:kv_cache_usage_perc") == 0)
+
+
 def test_full_queue_gets_503_then_recovers(server):
     base = server.base_url
     hold = threading.Event()
-    threads, results = [], []
+    threads: list[threading.Thread] = []
     try:
-        for _ in range(3):  # 1 running + 2 waiting
-            started = threading.Event()
-            res: list = []
-            t = threading.Thread(target=stream_first_chunk,
-                                 args=(base, LONG, started, res, hold), daemon=True)
-            t.start()
-            assert started.wait(60)
-            threads.append(t)
-            results.append(res)
-        assert [r[0] for r in results] == [200, 200, 200]
+        threads = fill_queue(base, hold)
         over = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 1},
                           timeout=60)
         assert over.status_code == 503, over.text
@@ -76,8 +95,7 @@ def test_full_queue_gets_503_then_recovers(server):
         for t in threads:
             t.join(120)
     # Disconnected streams are aborted: the queue drains and requests are admitted again.
-    assert wait_until(lambda: metric(scrape(base), "pagellm:num_requests_running") == 0
-                      and metric(scrape(base), "pagellm:num_requests_waiting") == 0, 60)
+    assert wait_until(lambda: drained(base), 60)
     ok = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2,
                                                     "n": 3}, timeout=60)
     assert ok.status_code == 200, ok.text
@@ -86,3 +104,42 @@ def test_full_queue_gets_503_then_recovers(server):
     too_many = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2,
                                                           "n": 4}, timeout=60)
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+
+
+def test_openai_sdk_sees_503_with_retry_after_and_no_blocks_leak(server):
+    base = server.base_url
+    # max_retries=0: the SDK would otherwise retry a 503 itself (honouring Retry-After).
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    hold = threading.Event()
+    threads: list[threading.Thread] = []
+    try:
+        threads = fill_queue(base, hold)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=client.models.list().data[0].id, prompt="x",
+                                      max_tokens=1)
+        assert info.value.status_code == 503
+        assert info.value.response.headers["retry-after"] == "1"
+        err = info.value.response.json()["error"]
+        assert err["code"] == "server_overloaded" and "queue is full" in err["message"]
+        with pytest.raises(openai.InternalServerError):
+            client.chat.completions.create(model=client.models.list().data[0].id,
+                                           messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=1, stream=True)
+    finally:
+        hold.set()
+        for t in threads:
+            t.join(120)
+    # Refused requests took no slot and no block: at idle the KV cache is empty again.
+    assert wait_until(lambda: drained(base), 60)
+    done = client.completions.create(model=client.models.list().data[0].id, prompt="x",
+                                     max_tokens=3, temperature=0)
+    assert done.choices[0].finish_reason in ("length", "stop")
+    assert wait_until(lambda: drained(base), 60)
+
+
+@pytest.mark.parametrize("flag", ["--max-waiting-requests", "--max-queued-requests"])
+def test_queue_bound_flag_spellings(flag: str) -> None:
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert server_limits_from(parser.parse_args([flag, "5"])).max_waiting_requests == 5
+    assert server_limits_from(parser.parse_args([])).max_waiting_requests is None

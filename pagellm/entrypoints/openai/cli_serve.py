@@ -101,10 +101,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                      help="most sequences (prompts x n) one request may start (default 64)")
     lim.add_argument("--max-logit-bias", type=int, default=limits.DEFAULT_MAX_LOGIT_BIAS,
                      help="most logit_bias entries per request (default 300, as OpenAI)")
-    lim.add_argument("--max-waiting-requests", type=int, default=None,
+    lim.add_argument("--max-waiting-requests", "--max-queued-requests", type=int, default=None,
                      help="sequences allowed to wait beyond --max-num-seqs; past it new "
                           "requests get 503 with Retry-After (default: "
-                          f"{limits.DEFAULT_WAITING_PER_RUNNING_SEQ} x --max-num-seqs)")
+                          f"{limits.DEFAULT_WAITING_PER_RUNNING_SEQ} x --max-num-seqs; "
+                          "--max-queued-requests is SGLang's name for it)")
+    lim.add_argument("--max-num-queued-tokens", type=int, default=None,
+                     help="while the prompts that have no output token yet hold at least this "
+                          "many tokens, new requests get 503 with Retry-After (vLLM's flag; a "
+                          "TTFT bound: about target TTFT x prefill tokens/s; default: none)")
 
 
 def server_limits_from(ns: argparse.Namespace) -> limits.ServerLimits:
@@ -112,7 +117,8 @@ def server_limits_from(ns: argparse.Namespace) -> limits.ServerLimits:
         max_request_body_bytes=ns.max_request_body_bytes, max_json_depth=ns.max_json_depth,
         max_n=ns.max_n, max_stop=ns.max_stop, max_stop_length=ns.max_stop_length,
         max_prompts=ns.max_prompts, max_seqs_per_request=ns.max_seqs_per_request,
-        max_logit_bias=ns.max_logit_bias, max_waiting_requests=ns.max_waiting_requests)
+        max_logit_bias=ns.max_logit_bias, max_waiting_requests=ns.max_waiting_requests,
+        max_num_queued_tokens=ns.max_num_queued_tokens)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:

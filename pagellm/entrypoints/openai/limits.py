@@ -43,6 +43,9 @@ class ServerLimits:
     # Sequences that may wait beyond --max-num-seqs before new requests get 503;
     # None = DEFAULT_WAITING_PER_RUNNING_SEQ x --max-num-seqs (see waiting_cap).
     max_waiting_requests: int | None = None
+    # --max-num-queued-tokens (vLLM's): 503 while the prompts still waiting for their first
+    # token hold at least this many tokens; None: no bound.
+    max_num_queued_tokens: int | None = None
 
     def waiting_cap(self, max_num_seqs: int) -> int:
         if self.max_waiting_requests is not None:
@@ -59,6 +62,9 @@ class ServerLimits:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError("--max-waiting-requests must be >= 0, "
                              f"got {self.max_waiting_requests}.")
+        if self.max_num_queued_tokens is not None and self.max_num_queued_tokens < 1:
+            raise ValueError("--max-num-queued-tokens must be >= 1, "
+                             f"got {self.max_num_queued_tokens}.")
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

@@ -148,7 +148,8 @@ class OpenAIServing:
 
     def check_capacity(self, num_seqs: int) -> None:
         """503 + Retry-After when admitting ``num_seqs`` more sequences would let more than
-        --max-waiting-requests wait beyond the --max-num-seqs that can run; 400 past
+        --max-waiting-requests wait beyond the --max-num-seqs that can run, or while the
+        prompts without a first token hold --max-num-queued-tokens or more; 400 past
         --max-seqs-per-request."""
         per_request = self.limits.max_seqs_per_request
         if num_seqs > per_request:
@@ -164,6 +165,15 @@ class OpenAIServing:
         if waiting > cap:
             raise OpenAIError(503, f"The server is overloaded: the waiting queue is full "
                               f"(--max-waiting-requests {cap}). Retry later.",
+                              code="server_overloaded",
+                              headers={"Retry-After": str(RETRY_AFTER_S)})
+        token_cap = self.limits.max_num_queued_tokens
+        queued = self.engine.num_prefill_tokens
+        if token_cap is not None and queued >= token_cap:
+            # vLLM's TTFT bound: a new prompt would wait behind this much prefill.
+            raise OpenAIError(503, f"The server is overloaded: the prefill queue is full "
+                              f"({queued} prompt tokens wait for their first token; "
+                              f"--max-num-queued-tokens {token_cap}). Retry later.",
                               code="server_overloaded",
                               headers={"Retry-After": str(RETRY_AFTER_S)})
 
