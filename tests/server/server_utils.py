@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -125,3 +126,12 @@ def metric(metrics: dict[str, float], name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in rest for k, v in labels.items()):
             total += value
     return total
+
+
+def load_soak():
+    """scripts/soak.py as a module (it is a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location("soak", REPO / "scripts" / "soak.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = module  # dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module

@@ -5,15 +5,13 @@ traffic with client disconnects (scripts/soak.py, short) leaves no request and n
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import random
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-from server_utils import PAGELLM_SERVE, REPO, ServerProcess, metric, scrape, wait_until
+from server_utils import PAGELLM_SERVE, ServerProcess, load_soak, metric, scrape, wait_until
 
 from pagellm import LLM, SamplingParams
 
@@ -87,14 +85,6 @@ def test_streamed_outputs_match_offline_synchronous_engine(server, tiny_llama_di
     want = [[(c.text, c.finish_reason) for c in o.outputs] for o in outs]
     assert got == want
     assert {r for choices in want for _, r in choices} == {"stop", "length"}
-
-
-def load_soak():
-    spec = importlib.util.spec_from_file_location("soak", REPO / "scripts" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_disconnects_and_mixed_traffic_leak_no_block(server) -> None:

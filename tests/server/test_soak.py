@@ -5,25 +5,15 @@ nothing runs or waits, no KV block is held, and the server is healthy."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 
 import httpx
 import pytest
-from server_utils import REPO, ServerProcess, metric, scrape, wait_until
+from server_utils import ServerProcess, load_soak, metric, scrape, wait_until
 
 # 40 blocks of 16 tokens for up to 16 running requests of ~20-60 tokens: preemptions happen.
 ARGS = ["--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "40",
         "--enable-prefix-caching", "--max-num-seqs", "16", "--scheduling-policy", "priority"]
 NUM_REQUESTS = 200
-
-
-def load_soak():
-    spec = importlib.util.spec_from_file_location("soak", REPO / "scripts" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
