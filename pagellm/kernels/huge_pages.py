@@ -8,12 +8,17 @@ for every allocation of the process; here only the tensors that ask get them: a 
 mapping, its start 2 MiB aligned, advised MADV_HUGEPAGE before anything touches it, so its
 pages fault in as huge pages wherever the system grants them (transparent_hugepage ``always``
 or ``madvise``; with ``never``, or where a 2 MiB page is not free, 4 KiB pages as before).
+
+Weights under 2 MiB each (a small model's projections: 0.6-1.8 MiB in SmolLM2-135M) would
+still land on 4 KiB pages one by one, so ``huge_page_slots`` puts a model's kernel weights
+side by side in one mapping, in the order a step reads them: one stream over the whole model.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 
 import torch
 
@@ -40,3 +45,22 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     except OSError:
         pass  # a kernel without transparent huge pages: 4 KiB pages, as torch.empty
     return torch.frombuffer(region, dtype=dtype, count=numel, offset=offset).view(shape)
+
+
+# Slots are padded to whole 4 KiB pages (on 2 MiB pages each starts page aligned: any
+# alignment a kernel's loads assume).
+SLOT_ALIGN_BYTES = 4096
+
+
+def huge_page_slots(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Empty tensors of these (shape, dtype), side by side in this order in one mapping on 2 MiB
+    pages (``empty_on_huge_pages``), which is unmapped when the last of them is freed. A caller
+    copies each weight into its slot and drops the old tensor before the next, so moving a model
+    needs no second copy of it: pages are taken as the copies first touch them."""
+    starts, end = [], 0
+    for shape, dtype in specs:
+        starts.append(end)
+        end += -(-math.prod(shape) * dtype.itemsize // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+    region = empty_on_huge_pages((end,), torch.uint8)
+    return [region[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for start, (shape, dtype) in zip(starts, specs, strict=True)]

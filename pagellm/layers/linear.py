@@ -18,6 +18,7 @@ from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
 
 # Re-exported (tests import it from here): the most rows the AMX kernel takes.
 from pagellm.kernels.cpu_matmul import AMX_LINEAR_MAX_ROWS as AMX_LINEAR_MAX_ROWS
+from pagellm.kernels.huge_pages import huge_page_slots
 from pagellm.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from pagellm.layers.method_factory import make_linear_method
 from pagellm.layers.quant_methods import QuantizedLinearMethod
@@ -248,4 +249,20 @@ def prepack_linears_for_cpu(model: nn.Module) -> int:
         method = getattr(module, "linear_method", None)
         if isinstance(method, LinearMethodBase):
             count += method.process_weights_after_loading(module)
+    if count:
+        gather_kernel_weights(model)
     return count
+
+
+def gather_kernel_weights(model: nn.Module) -> int:
+    """Move the weights the CPU kernels stream side by side onto 2 MiB pages, in module order
+    (the order a step reads them), so batch-1 decode reads the model as one stream
+    (kernels/huge_pages.py); returns how many moved. One at a time: no second copy of the model
+    is ever held."""
+    movable = [m for m in model.modules()
+               if isinstance(getattr(m, "linear_method", None), UnquantizedLinearMethod)
+               and m.linear_method.kernel_weight(m) is not None]
+    specs = [(tuple(w.shape), w.dtype) for w in (m.linear_method.kernel_weight(m) for m in movable)]
+    for module, slot in zip(movable, huge_page_slots(specs), strict=True):
+        module.linear_method.move_kernel_weight(module, slot)
+    return len(movable)

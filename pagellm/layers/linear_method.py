@@ -75,6 +75,24 @@ class UnquantizedLinearMethod(LinearMethodBase):
                 layer.weight = nn.Parameter(packed, requires_grad=False)
         return True
 
+    def kernel_weight(self, layer: nn.Module) -> torch.Tensor | None:
+        """The weight a CPU kernel streams ("packed" or "amx"), which may move
+        (``move_kernel_weight``); None for other kernels and for a weight an embedding reads."""
+        if self.cpu_kind not in ("packed", "amx"):
+            return None
+        if self._cpu_weight is not None:
+            return self._cpu_weight
+        return None if self.weight_shared else layer.weight.data
+
+    def move_kernel_weight(self, layer: nn.Module, dst: torch.Tensor) -> None:
+        """Copy ``kernel_weight`` into ``dst`` (same shape and dtype), which the kernel then reads;
+        the old tensor is dropped."""
+        dst.copy_(self.kernel_weight(layer))
+        if self._cpu_weight is not None:
+            self._cpu_weight = dst
+        else:
+            layer.weight = nn.Parameter(dst, requires_grad=False)
+
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
         weight = layer.weight if self._cpu_weight is None else self._cpu_weight

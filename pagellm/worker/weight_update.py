@@ -6,9 +6,10 @@ touched layers back into the float layout the loaders fill (the current contents
 where a fused layer gets only some of its shards), loads the new tensors through the same
 ``weight_loader``s (fusion, tensor-parallel slices), then re-runs
 ``process_weights_after_loading``: a quantized layer updated from float weights holds exactly
-what one quantized from them at start-up would. Each re-made parameter is copied back into the
-old one's storage on accelerators where the layout allows, so pointers held elsewhere (CUDA
-graphs) stay valid; on CPU the fused step's tables are rebuilt instead.
+what one quantized from them at start-up would. Each re-made parameter (and an LM head's kernel
+copy of a tied embedding) is copied back into the old one's storage where the layout allows:
+pointers held elsewhere (CUDA graphs) stay valid, and on CPU the weights the kernels stream stay
+side by side on 2 MiB pages (``gather_kernel_weights``); the fused step's tables are rebuilt.
 
 Mixture-of-Experts weights (FusedMoE's stacked experts, the router) are float tensors: each
 expert's tensor is copied into its slice in place, the names mapped by the model's own
@@ -71,14 +72,17 @@ def _new_weight(layer: nn.Module, method: LinearMethodBase, whole: bool) -> nn.P
     return weight
 
 
-def _to_float_layout(layer: nn.Module, whole: bool) -> dict[str, nn.Parameter]:
+def _to_float_layout(layer: nn.Module, whole: bool) -> dict[str, torch.Tensor]:
     """Give ``layer`` back a float ``weight`` the loaders can fill; returns its parameters as
-    they were (their storage is reused once the layer is processed again)."""
+    they were, and a weight-shared LM head's kernel copy (their storage is reused once the layer
+    is processed again)."""
     method = layer.linear_method
-    old = dict(layer.named_parameters(recurse=False))
+    old: dict[str, torch.Tensor] = dict(layer.named_parameters(recurse=False))
     if isinstance(method, UnquantizedLinearMethod):
         if method.cpu is None:
             return old  # plain float weight: loaded in place
+        if method._cpu_weight is not None:
+            old[_KERNEL_COPY] = method._cpu_weight
         if not method.weight_shared:
             layer.weight = _new_weight(layer, method, whole)
         method.cpu, method._matmul, method._cpu_weight = None, F.linear, None
@@ -92,17 +96,27 @@ def _to_float_layout(layer: nn.Module, whole: bool) -> dict[str, nn.Parameter]:
     return old
 
 
-def _reuse_storage(layer: nn.Module, old: dict[str, nn.Parameter]) -> None:
+# _to_float_layout's key for the kernel copy a weight-shared LM head holds (not a parameter).
+_KERNEL_COPY = "linear_method._cpu_weight"
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (not a.is_mkldnn and not b.is_mkldnn and (a.shape, a.dtype, a.device, a.stride())
+            == (b.shape, b.dtype, b.device, b.stride()))
+
+
+def _reuse_storage(layer: nn.Module, old: dict[str, torch.Tensor]) -> None:
     for name, new in list(layer.named_parameters(recurse=False)):
         prev = old.get(name)
-        # On CPU no one else holds the pointers (the fused step's tables are rebuilt).
-        if (prev is None or prev.device.type == "cpu" or prev is new
-                or prev.is_mkldnn or new.is_mkldnn
-                or (prev.shape, prev.dtype, prev.device, prev.stride())
-                != (new.shape, new.dtype, new.device, new.stride())):
+        if prev is None or prev is new or not _same_layout(prev, new):
             continue
         prev.data.copy_(new.data)
         setattr(layer, name, prev)
+    prev, method = old.get(_KERNEL_COPY), layer.linear_method  # only UnquantizedLinearMethod's
+    fresh = method._cpu_weight if prev is not None else None
+    if fresh is not None and _same_layout(prev, fresh):
+        prev.copy_(fresh)
+        method._cpu_weight = prev
 
 
 Shard = int | str | tuple[int, str] | None  # a weight_loader's shard id; (expert, w1|w3|w2)

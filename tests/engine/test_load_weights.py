@@ -4,6 +4,7 @@ the CPU kernels' layouts, int8 quantization and the prefix cache all following."
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,14 @@ def layouts(llm: LLM) -> tuple:
     return model.model.cpu_fused is not None, kinds
 
 
+def kernel_weight_addresses(llm: LLM) -> list[int]:
+    """Where each weight a CPU kernel streams lives (gather_kernel_weights placed them)."""
+    model = llm.llm_engine.engine_core.executor.runner.model
+    methods = [(m, m.linear_method) for m in model.modules() if hasattr(m, "linear_method")]
+    return [w.data_ptr() for m, method in methods
+            if (w := getattr(method, "kernel_weight", lambda _: None)(m)) is not None]
+
+
 def engine(path: Path, **kw) -> LLM:
     kw = {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 256, **kw}
     return LLM(model=str(path), **kw)
@@ -39,14 +48,31 @@ def test_update_equals_fresh_engine(tiny_llama_dir, new_model, kw) -> None:
     llm = engine(tiny_llama_dir, enable_prefix_caching=True, **kw)
     ps = prompts(llm.llm_engine.config.model.vocab_size)
     before = tokens(llm, ps)
-    layout = layouts(llm)
+    layout, addresses = layouts(llm), kernel_weight_addresses(llm)
     assert llm.load_weights(weights.items()) == len(weights)
     assert layouts(llm) == layout  # the same kernels, the fused step (or not) as before
+    assert kernel_weight_addresses(llm) == addresses  # updated where they were
     # The same prompts again: their blocks are cached from before, and must not be reused.
     after = tokens(llm, ps)
     want = tokens(engine(path, **kw), ps)
     assert after == want
     assert after != before
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_weights_side_by_side(tiny_llama_dir, dtype) -> None:
+    """The weights the CPU kernels stream lie one after another in the order a step reads
+    them (batch-1 decode is one stream over the model)."""
+    llm = engine(tiny_llama_dir, dtype=dtype)
+    model = llm.llm_engine.engine_core.executor.runner.model
+    weights = [w for m in model.modules() if hasattr(m, "linear_method")
+               and (w := getattr(m.linear_method, "kernel_weight", lambda _: None)(m)) is not None]
+    if not weights:
+        pytest.skip("no CPU kernel streams these weights here")
+    for w, nxt in pairwise(weights):
+        end = w.data_ptr() + w.numel() * w.element_size()
+        assert end <= nxt.data_ptr() < end + 4096  # huge_pages.SLOT_ALIGN_BYTES
+    assert len({w.untyped_storage().data_ptr() for w in weights}) == 1
 
 
 def test_partial_update(tiny_llama_dir, new_model) -> None:

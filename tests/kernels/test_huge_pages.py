@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from pagellm.kernels import cpu_ops
-from pagellm.kernels.huge_pages import HUGE_PAGE_BYTES, empty_on_huge_pages
+from pagellm.kernels.huge_pages import (
+    HUGE_PAGE_BYTES,
+    SLOT_ALIGN_BYTES,
+    empty_on_huge_pages,
+    huge_page_slots,
+)
 
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -60,6 +65,34 @@ def test_large_tensors_are_aligned_advised_and_freed():
     address = t.data_ptr()
     del t
     assert _mapping_of(address) is None  # unmapped with the tensor, not kept by anything
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_slots_side_by_side_in_one_mapping():
+    specs = [((24, 576), torch.bfloat16), ((3,), torch.float32), ((1600, 700), torch.bfloat16),
+             ((5, 7), torch.float32)]
+    slots = huge_page_slots(specs)
+    assert [(tuple(s.shape), s.dtype) for s in slots] == specs
+    addresses = [s.data_ptr() for s in slots]
+    assert all(a % SLOT_ALIGN_BYTES == 0 for a in addresses)
+    assert addresses == sorted(addresses)  # in the order asked for
+    assert addresses[0] % HUGE_PAGE_BYTES == 0
+    # No overlap, and no more than a page of padding between slots.
+    for s, nxt in zip(slots[:-1], addresses[1:], strict=True):
+        end = s.data_ptr() + s.numel() * s.element_size()
+        assert end <= nxt < end + SLOT_ALIGN_BYTES
+    mapping = _mapping_of(addresses[0])
+    assert mapping is not None
+    assert all(_mapping_of(a) == mapping for a in addresses)  # one mapping
+    for i, s in enumerate(slots):
+        s.fill_(i + 1)
+    assert [s.float().mean().item() for s in slots] == [1.0, 2.0, 3.0, 4.0]
+    first = addresses[0]
+    del s
+    slots.pop(0)
+    assert _mapping_of(first) is not None  # the others still hold it
+    slots.clear()
+    assert _mapping_of(first) is None
 
 
 @pytest.mark.usefixtures("cpu_isa")
