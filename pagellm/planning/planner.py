@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from pagellm.core.kv_cache_groups import kv_cache_layout
+from pagellm.core.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from pagellm.planning.devices import (
     DeviceTarget,
     estimate_activation_bytes,
@@ -18,6 +18,7 @@ from pagellm.planning.devices import (
 )
 from pagellm.planning.model_spec import ModelSpec, load_model_spec
 from pagellm.planning.weights import WeightBreakdown, num_parameters, weight_bytes_per_rank
+from pagellm.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from pagellm.worker.memory_plan import (
     KVCachePlan,
     MemoryBudget,
@@ -50,6 +51,9 @@ class PlanSettings:
     gpu_memory_utilization: float
     kv_cache_memory: int | None
     num_gpu_blocks_override: int | None = None
+    # A draft model (--speculative-config method draft_model; tensor parallel size 1 only),
+    # whose weights and cache share the budget as in the engine (worker/kv_cache.py).
+    draft: ModelSpec | None = None
 
     @property
     def dtype_bytes(self) -> int:
@@ -66,6 +70,10 @@ class RankPlan:
     # layer attended to the whole context (they differ for sliding-window models).
     request_kv_bytes: int = 0
     request_kv_bytes_full: int = 0
+    # A draft model (--speculative-config method draft_model): its weights and its cache's
+    # bytes per token, both inside the totals above (its blocks share the target's ids).
+    draft_weight_bytes: int = 0
+    draft_kv_bytes_per_token: int = 0
 
     @property
     def window_saving(self) -> float:
@@ -95,6 +103,8 @@ class RankPlan:
             "status": self.status, "request_kv_bytes": self.request_kv_bytes,
             "request_kv_bytes_full_attention": self.request_kv_bytes_full,
             "sliding_window_saving": round(self.window_saving, 4),
+            "draft_weight_bytes": self.draft_weight_bytes,
+            "draft_kv_bytes_per_token": self.draft_kv_bytes_per_token,
         }
 
 
@@ -115,7 +125,9 @@ class PlanReport:
     def as_dict(self) -> dict[str, Any]:
         return {
             "model": dict(self.spec.as_dict(), num_parameters=num_parameters(self.spec)),
-            "device": self.device.as_dict(), "settings": asdict(self.settings),
+            "device": self.device.as_dict(),
+            "settings": dict(asdict(self.settings), draft=None if self.settings.draft is None
+                             else self.settings.draft.as_dict()),
             "ranks": [r.as_dict() for r in self.ranks], "fits": self.fits,
             "suggestions": [s.as_dict() for s in self.suggestions],
             "traffic": self.traffic.as_dict() if self.traffic is not None else None,
@@ -123,34 +135,45 @@ class PlanReport:
         }
 
 
+def _kv_layout(spec: ModelSpec) -> KVCacheLayout:
+    """KV cache groups as the engine forms them (core/kv_cache_groups.py): a block holds
+    group_size layers; a windowed group keeps only its window of a request."""
+    return kv_cache_layout(list(spec.layer_windows) or [None] * spec.num_layers)
+
+
 def plan_rank(spec: ModelSpec, device: DeviceTarget, s: PlanSettings, rank: int = 0) -> RankPlan:
-    tp = s.tensor_parallel_size
+    tp, draft = s.tensor_parallel_size, s.draft
     weights = weight_bytes_per_rank(spec, s.dtype_bytes, tp, s.quantization)
+    draft_weights = draft_per_token = 0
+    if draft is not None:
+        draft_weights = weight_bytes_per_rank(draft, s.dtype_bytes, 1, s.quantization).total
+        draft_per_token = kv_bytes_per_token(_kv_layout(draft).num_tensors, draft.num_kv_heads,
+                                             draft.head_dim, s.dtype_bytes)
+    all_weights = weights.total + draft_weights
     activation = estimate_activation_bytes(spec, s.dtype_bytes, tp, s.max_num_batched_tokens,
                                            s.max_num_seqs)
     if device.kind == "cuda":
-        budget = cuda_memory_budget(device.total_bytes, s.gpu_memory_utilization, weights.total,
+        budget = cuda_memory_budget(device.total_bytes, s.gpu_memory_utilization, all_weights,
                                     activation, estimate_overhead_bytes("cuda", tp))
     else:
         # NOTE: the engine measures free RAM after loading the weights; we subtract them.
-        budget = cpu_memory_budget(s.kv_cache_memory, weights.total,
-                                   max(0, device.total_bytes - weights.total), activation)
-    # KV cache groups as the engine forms them (core/kv_cache_groups.py): a block holds
-    # group_size layers; a windowed group keeps only its window of a request.
-    layout = kv_cache_layout(list(spec.layer_windows) or [None] * spec.num_layers)
+        budget = cpu_memory_budget(s.kv_cache_memory, all_weights,
+                                   max(0, device.total_bytes - all_weights), activation)
+    layout = _kv_layout(spec)
     per_token = kv_bytes_per_token(layout.num_tensors, spec.num_kv_heads, spec.head_dim,
-                                   s.dtype_bytes, tp)
+                                   s.dtype_bytes, tp) + draft_per_token
     windowed = any(w is not None for w in layout.windows)
     request_blocks = (layout.blocks_for_tokens(s.max_model_len, s.block_size,
                                                s.max_num_batched_tokens) if windowed else 0)
     kv = plan_kv_cache(budget.kv_budget_bytes, per_token, s.block_size, s.max_model_len,
                        s.num_gpu_blocks_override, request_blocks)
     full_per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                        s.dtype_bytes, tp)
+                                        s.dtype_bytes, tp) + draft_per_token
     full_blocks = -(-s.max_model_len // s.block_size)
     return RankPlan(rank, weights, budget, kv,
                     request_kv_bytes=kv.blocks_per_max_len_request * kv.bytes_per_block,
-                    request_kv_bytes_full=full_blocks * s.block_size * full_per_token)
+                    request_kv_bytes_full=full_blocks * s.block_size * full_per_token,
+                    draft_weight_bytes=draft_weights, draft_kv_bytes_per_token=draft_per_token)
 
 
 def plan_ranks(spec: ModelSpec, device: DeviceTarget, s: PlanSettings) -> list[RankPlan]:
@@ -158,6 +181,13 @@ def plan_ranks(spec: ModelSpec, device: DeviceTarget, s: PlanSettings) -> list[R
     is computed and repeated per rank."""
     one = plan_rank(spec, device, s)
     return [replace(one, rank=r) for r in range(s.tensor_parallel_size)]
+
+
+def draft_model_spec(speculative_config: SpeculativeConfig | None) -> ModelSpec | None:
+    """The draft model's spec when speculative decoding uses one (``method: draft_model``)."""
+    if speculative_config is None or speculative_config.method != "draft_model":
+        return None
+    return load_model_spec(speculative_config.model)[0]
 
 
 def resolve_settings(args: EngineArgs, spec: ModelSpec, device: DeviceTarget,
@@ -168,8 +198,11 @@ def resolve_settings(args: EngineArgs, spec: ModelSpec, device: DeviceTarget,
 
     from pagellm.config import parse_size, resolve_dtype
     from pagellm.engine_args import check_cache_flags, resolve_scheduler_limits
+    from pagellm.spec_decode.config import check_speculative_combination
 
     check_cache_flags(args)
+    speculative = parse_speculative_config(args.speculative_config)
+    check_speculative_combination(speculative, args.tensor_parallel_size, args.async_scheduling)
     max_model_len, max_num_seqs, batched = resolve_scheduler_limits(args, spec.context_len)
     dtype = resolve_dtype(args.dtype, _DtypeHint(spec.config_dtype), torch.device(device.kind))
     return PlanSettings(
@@ -178,7 +211,8 @@ def resolve_settings(args: EngineArgs, spec: ModelSpec, device: DeviceTarget,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=batched, block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=parse_size(args.kv_cache_memory),
-        num_gpu_blocks_override=args.num_gpu_blocks_override)
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        draft=draft_model_spec(speculative))
 
 
 @dataclass(frozen=True)
@@ -223,7 +257,8 @@ def planned_for_engine(config: EngineConfig, measured: MemoryBudget) -> RankPlan
         max_model_len=m.max_model_len, max_num_seqs=sch.max_num_seqs,
         max_num_batched_tokens=sch.max_num_batched_tokens, block_size=c.block_size,
         gpu_memory_utilization=c.gpu_memory_utilization, kv_cache_memory=c.kv_cache_memory,
-        num_gpu_blocks_override=c.num_gpu_blocks_override)
+        num_gpu_blocks_override=c.num_gpu_blocks_override,
+        draft=draft_model_spec(config.speculative_config))
     total = measured.total_bytes + (measured.weight_bytes if kind == "cpu" else 0)
     target = DeviceTarget(str(config.device.device), kind, total, "this device")
     return plan_rank(spec, target, settings)

@@ -89,7 +89,9 @@ def suggest(spec: ModelSpec, device: DeviceTarget, s: PlanSettings,
     out.append(_best([(f"--tensor-parallel-size {tp}", f"{tp} GPUs share weights and KV heads",
                        plan_rank(spec, device, replace(s, tensor_parallel_size=tp)))
                       for tp in TP_CHOICES
-                      if tp > s.tensor_parallel_size and valid_tensor_parallel(spec, tp)], plan))
+                      # A draft model runs with tensor parallel size 1 only.
+                      if tp > s.tensor_parallel_size and valid_tensor_parallel(spec, tp)
+                      and s.draft is None], plan))
     quants = QUANTIZATIONS[QUANTIZATIONS.index(s.quantization) + 1:]
     out.append(_best([(f"--quantization {q}", "weight-only quantization frees room for KV",
                        plan_rank(spec, device, replace(s, quantization=q))) for q in quants],

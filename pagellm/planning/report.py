@@ -83,6 +83,11 @@ def format_report(report: PlanReport) -> str:
     rows[at:at] = [["  embedding + LM head", fmt_bytes(w.embedding + w.lm_head)],
                    ["  attention", fmt_bytes(w.attention)], ["  MLP", fmt_bytes(w.mlp)],
                    ["  norms", fmt_bytes(w.norms)]]
+    if r0.draft_weight_bytes:
+        rows.insert(at + 4, ["  draft model (speculative decoding)",
+                             fmt_bytes(r0.draft_weight_bytes)])
+        at = next(i for i, row in enumerate(rows) if row[0] == "KV bytes per token") + 1
+        rows.insert(at, ["  of which the draft model", f"{r0.draft_kv_bytes_per_token:,}"])
     if r0.window_saving > 0:
         rows.append([f"KV of one {s.max_model_len}-token request",
                      fmt_bytes(r0.request_kv_bytes)])

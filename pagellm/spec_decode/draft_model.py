@@ -35,10 +35,15 @@ import torch
 from pagellm.config import EngineConfig, check_model_shape
 from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.forward_context import set_forward_context
+from pagellm.models.llama_cpu_fused import enable_fused_cpu_forward
 from pagellm.spec_decode.config import SpeculativeConfig
 from pagellm.worker.flat_batch import flat_positions, paged_attention_metadata
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
-from pagellm.worker.kv_cache import allocate_kv_caches, config_kv_bytes_per_token
+from pagellm.worker.kv_cache import (
+    allocate_kv_caches,
+    config_kv_bytes_per_token,
+    kv_cache_bytes,
+)
 from pagellm.worker.runner_model import load_runner_model
 
 logger = logging.getLogger("pagellm")
@@ -128,9 +133,10 @@ class DraftModelProposer:
         layout = self.config.model.kv_cache_layout()
         self.table_group = draft_block_table_group(engine_config.model.kv_cache_layout(),
                                                    layout, model_name)
+        self._attention_backend = engine_config.device.attention_backend
+        self._layout = layout
         start = time.perf_counter()
-        self.model = load_runner_model(self.config.model, self.device,
-                                       engine_config.device.attention_backend, layout)
+        self.model: torch.nn.Module | None = self._load()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("Loaded draft model %s (%s) in %.1f s: %.1f MiB of weights",
                     model_name, self.config.model.architecture, time.perf_counter() - start,
@@ -163,6 +169,34 @@ class DraftModelProposer:
 
     def remove_request(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
+
+    # ---- sleep mode (worker/sleep.py does the same for the target) ----------------------------
+    def sleep(self, level: int) -> int:
+        """Free the draft cache and, at level 2, the draft's weights; returns the bytes freed.
+        The engine sleeps only when idle, so no request's draft K/V are lost."""
+        freed = kv_cache_bytes(self.kv_caches)
+        self.kv_caches = []
+        self.requests.clear()
+        if level == 2 and self.model is not None:
+            freed += self.weight_bytes
+            self.model = None
+        elif self.model is not None:
+            enable_fused_cpu_forward(self.model)  # a fresh fused step: the old one's held KV
+        return freed
+
+    def wake_up(self) -> None:
+        """Bring back what ``sleep`` freed: the weights from the draft's checkpoint and a cache
+        of as many blocks as before."""
+        if self.model is None:
+            self.model = self._load()
+        else:
+            enable_fused_cpu_forward(self.model)
+        if not self.kv_caches:
+            self.initialize(self.num_blocks)
+
+    def _load(self) -> torch.nn.Module:
+        return load_runner_model(self.config.model, self.device, self._attention_backend,
+                                 self._layout)
 
     @torch.inference_mode()
     def propose(self, batch: InputBatch, states: list[CachedRequestState],

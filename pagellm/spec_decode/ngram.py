@@ -91,6 +91,12 @@ class NgramProposer:
     def remove_request(self, req_id: str) -> None:
         pass  # no per-request state
 
+    def sleep(self, level: int) -> int:
+        return 0  # holds nothing on the device
+
+    def wake_up(self) -> None:
+        pass
+
     def propose(self, batch: InputBatch, states: list[CachedRequestState],
                 num_tokens: int) -> list[list[int]]:
         if not states:

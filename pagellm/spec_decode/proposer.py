@@ -49,3 +49,12 @@ class Proposer(Protocol):
     def remove_request(self, req_id: str) -> None:
         """Forget a finished or preempted request's state (a draft model's computed tokens)."""
         ...
+
+    def sleep(self, level: int) -> int:
+        """Sleep mode (worker/sleep.py): free what the proposer holds on the device (its cache;
+        at level 2 its weights too); returns the bytes freed (0: it holds nothing)."""
+        ...
+
+    def wake_up(self) -> None:
+        """Bring back what ``sleep`` freed."""
+        ...

@@ -81,6 +81,14 @@ class SpecDecodeRunner:
         if self.proposer is not None:
             self.proposer.initialize(num_blocks)
 
+    def sleep(self, level: int) -> int:
+        """Sleep mode: the proposer frees what it holds (a draft model's cache and weights)."""
+        return self.proposer.sleep(level) if self.proposer is not None else 0
+
+    def wake_up(self) -> None:
+        if self.proposer is not None:
+            self.proposer.wake_up()
+
     def update_states(self, so: SchedulerOutput, batch: InputBatch) -> None:
         """After the runner's own state update: forget gone requests, write the drafts."""
         if self.proposer is not None:

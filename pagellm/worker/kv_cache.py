@@ -107,3 +107,14 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int, device: torch.devi
     kv = torch.empty(shape, dtype=dtype, device=device)
     kv[:, :, num_blocks:].zero_()
     return [(kv[t, 0], kv[t, 1]) for t in layout.tensor_of_layer]
+
+
+def kv_cache_bytes(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """The bytes ``allocate_kv_caches`` allocated for these views (the whole tensor they share,
+    null and scratch blocks included), or their own bytes where they share none."""
+    if not kv_caches:
+        return 0
+    base = kv_caches[0][0]._base
+    if base is not None and base.dim() == kv_caches[0][0].dim() + 2:
+        return base.numel() * base.element_size()
+    return sum(t.numel() * t.element_size() for kv in kv_caches for t in kv)

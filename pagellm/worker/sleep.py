@@ -4,9 +4,12 @@ the weights, back to the system between RL rollouts, and rebuild them on wake.
 Level 1 frees the KV cache and keeps the weights where they are (vLLM offloads them to CPU
 memory; on a CPU engine they already are there). Level 2 frees the weights too; ``wake_up``
 then reloads them from the model's checkpoint, so weights given with ``load_weights`` before
-the sleep are lost: load them again after waking. Memory returns to the system by dropping
-every reference to the tensors (the fused CPU step's table and the CUDA graphs hold the KV
-cache's addresses, so they go too) and, on CUDA, emptying the caching allocator.
+the sleep are lost: load them again after waking. A draft model (speculative decoding) sleeps
+and wakes with the target: its cache, and at level 2 its weights.
+
+Memory returns to the system by dropping every reference to the tensors (the fused CPU step's
+table and the CUDA graphs hold the KV cache's addresses, so they go too) and, on CUDA, emptying
+the caching allocator.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 import torch
 
 from pagellm.models.llama_cpu_fused import enable_fused_cpu_forward
-from pagellm.worker.kv_cache import allocate_kv_caches
+from pagellm.worker.kv_cache import allocate_kv_caches, kv_cache_bytes
 
 logger = logging.getLogger("pagellm")
 
@@ -27,10 +30,6 @@ logger = logging.getLogger("pagellm")
 ModelRunner = Any
 
 SLEEP_LEVELS = (1, 2)
-
-
-def _tensor_bytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _release_memory(device: torch.device) -> None:
@@ -56,13 +55,10 @@ def sleep_runner(runner: ModelRunner, level: int) -> int:
         return 0
     freed = 0
     runner.graph_runner = None  # captured against the KV cache and weights' addresses
-    if runner.kv_caches:
-        k0 = runner.kv_caches[0][0]
-        base = k0._base if k0._base is not None else None
-        freed += (_tensor_bytes([base]) if base is not None
-                  else _tensor_bytes([t for kv in runner.kv_caches for t in kv]))
-        runner.kv_caches = []
-        del k0, base
+    freed += kv_cache_bytes(runner.kv_caches)
+    runner.kv_caches = []
+    if runner.spec_decode is not None:
+        freed += runner.spec_decode.sleep(level)  # a draft model's cache and weights
     if level == 2 and runner.model is not None:
         freed += sum(p.numel() * p.element_size() for p in runner.model.parameters())
         runner.model = None  # type: ignore[assignment]  # wake_up loads it again
@@ -89,6 +85,8 @@ def wake_runner(runner: ModelRunner) -> int:
     runner.kv_caches = allocate_kv_caches(runner.config, runner.num_blocks, runner.device,
                                           runner.dtype)
     enable_fused_cpu_forward(runner.model)
+    if runner.spec_decode is not None:
+        runner.spec_decode.wake_up()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     runner.capture_graphs()

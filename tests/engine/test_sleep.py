@@ -54,6 +54,34 @@ def test_outputs_same_after_wake(tiny_llama_dir, level) -> None:
     assert tokens(llm, ps) == before
 
 
+def _accepted(llm: LLM) -> int:
+    stats = llm.llm_engine.engine_core.make_stats().spec_decoding
+    assert stats is not None
+    return stats.num_accepted_tokens
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_draft_model_sleeps_with_the_target(tiny_llama_dir, level) -> None:
+    """Speculative decoding's draft model frees its cache (and at level 2 its weights) too;
+    after waking it drafts again, the outputs unchanged."""
+    # The target as its own draft: its greedy drafts are accepted, so acceptance shows it ran.
+    spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3}
+    llm = engine(tiny_llama_dir, speculative_config=spec)
+    ps = prompts(llm.llm_engine.config.model.vocab_size)
+    before = tokens(llm, ps)
+    accepted = _accepted(llm)
+    assert accepted > 0
+    proposer = llm.llm_engine.engine_core.executor.runner.spec_decode.proposer
+    assert proposer.kv_caches
+    llm.sleep(level=level)
+    assert proposer.kv_caches == []
+    assert (proposer.model is None) == (level == 2)
+    llm.wake_up()
+    assert proposer.kv_caches and proposer.model is not None
+    assert tokens(llm, ps) == before
+    assert _accepted(llm) > accepted
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_rss_falls(tiny_llama_dir, level) -> None:
     llm = engine(tiny_llama_dir, kv_cache_memory="256MiB")

@@ -73,3 +73,36 @@ def test_gguf_header_reader_matches_gguf_reader():
         assert meta[key] == value
     assert meta["tokenizer.ggml.tokens"].array_len == len(reader.fields["tokenizer.ggml.tokens"]
                                                           .data)
+
+
+def test_plan_counts_a_draft_model(tiny_llama_dir, make_tiny_model, tmp_path, capsys):
+    """Speculative decoding with a draft model: the plan adds the draft's weights and its
+    cache's bytes per token, as the engine does (both caches share one budget)."""
+    from pagellm.engine.core import EngineCore
+    from pagellm.engine_args import EngineArgs
+
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    kw = {"kv_cache_memory": "16MiB", "max_model_len": 256, "dtype": "float32"}
+    flags = [str(tiny_llama_dir), "--kv-cache-memory", "16MiB", "--max-model-len", "256",
+             "--dtype", "float32", "--device", "cpu", "--json"]
+    plans = []
+    for extra in ([], ["--speculative-config", json.dumps(spec)]):
+        assert main(["plan", *flags, *extra]) == 0
+        plans.append(json.loads(capsys.readouterr().out)["ranks"][0])
+    alone, with_draft = plans
+    core = EngineCore(EngineArgs(model=str(tiny_llama_dir), speculative_config=spec,
+                                 **kw).create_engine_config())
+    runner = core.executor.runner
+    proposer = runner.spec_decode.proposer
+    assert with_draft["draft_weight_bytes"] == proposer.weight_bytes > 0
+    assert with_draft["weight_bytes"] == alone["weight_bytes"] == runner.weight_bytes
+    assert with_draft["draft_kv_bytes_per_token"] == proposer.kv_bytes_per_token > 0
+    assert with_draft["kv_bytes_per_token"] == runner.kv_plan.kv_bytes_per_token == (
+        alone["kv_bytes_per_token"] + proposer.kv_bytes_per_token)
+    assert with_draft["num_blocks"] == core.num_blocks < alone["num_blocks"]
+    core.shutdown()
+    # The table names the draft's share.
+    assert main(["plan", *flags[:-1], "--speculative-config", json.dumps(spec)]) == 0
+    table = capsys.readouterr().out
+    assert "draft model (speculative decoding)" in table and "of which the draft model" in table

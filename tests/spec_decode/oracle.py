@@ -34,6 +34,12 @@ class OracleProposer:
     def remove_request(self, req_id: str) -> None:
         pass
 
+    def sleep(self, level: int) -> int:
+        return 0
+
+    def wake_up(self) -> None:
+        pass
+
     def propose(self, batch: InputBatch, states: list[CachedRequestState],
                 num_tokens: int) -> list[list[int]]:
         out = []
