@@ -11,8 +11,8 @@ From the engine's step stream it also splits the batch latency into:
 
 The decode floor: a decode step must read every weight once, so it cannot take less than the
 weight bytes read per step divided by the memory read bandwidth, both measured in this process
-(the bandwidth by summing a tensor far larger than the caches, on CPU on 2 MiB pages as the
-weights are).
+(the bandwidth by summing a tensor far larger than the caches after every timed iteration, on
+CPU on 2 MiB pages as the weights are; the median sample: ``ReadBandwidth``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pagellm.benchmarks.workload import random_requests
 from pagellm.engine_args import EngineArgs
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
+_BANDWIDTH_SAMPLES_PER_ITER = 5
 
 
 def add_latency_parser(sub: Any) -> None:
@@ -125,29 +126,47 @@ def decode_weight_bytes(model: Any) -> tuple[int, int]:
     return total, total - skipped
 
 
+class ReadBandwidth:
+    """Memory read bandwidth, sampled by summing a ``mib`` MiB float32 tensor (on CPU on 2 MiB
+    pages, where the weights the kernels stream live: kernels/huge_pages.py; on 4 KiB pages the
+    same sum reads up to 15% slower, which would lower the floor).
+
+    On a shared host the bandwidth moves second to second (a 2-core Zen 4: mostly 30-34 GB/s
+    with bursts near 50), so ``bench latency`` samples it after every timed iteration and the
+    floor uses the median sample: the bandwidth the decode steps' mean ran at, not a burst."""
+
+    def __init__(self, device: Any, mib: int) -> None:
+        import torch
+
+        n = mib * 2**20 // 4
+        if torch.device(device).type == "cpu":
+            from pagellm.kernels.huge_pages import empty_on_huge_pages
+
+            self.x = empty_on_huge_pages((n,), torch.float32).fill_(1.0)
+        else:
+            self.x = torch.ones(n, dtype=torch.float32, device=device)
+        self._sync = torch.cuda.synchronize if self.x.is_cuda else (lambda: None)
+        self.x.sum()  # first touch / warm-up
+        self._sync()
+        self.samples: list[float] = []  # bytes/s
+
+    def sample(self, repeats: int) -> None:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            self.x.sum()
+            self._sync()
+            self.samples.append(self.x.numel() * 4 / (time.perf_counter() - t))
+
+    @property
+    def median(self) -> float:
+        return float(np.median(self.samples))
+
+
 def measure_read_bandwidth(device: Any, mib: int, repeats: int = 5) -> float:
-    """Bytes/s for summing a ``mib`` MiB float32 tensor (best of ``repeats``)."""
-    import torch
-
-    n = mib * 2**20 // 4
-    if torch.device(device).type == "cpu":
-        # Where the weights the kernels stream live (kernels/huge_pages.py): on 4 KiB pages the
-        # same sum reads up to 15% slower, which would lower the floor.
-        from pagellm.kernels.huge_pages import empty_on_huge_pages
-
-        x = empty_on_huge_pages((n,), torch.float32).fill_(1.0)
-    else:
-        x = torch.ones(n, dtype=torch.float32, device=device)
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
-    x.sum()  # first touch / warm-up
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        sync()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
+    """Bytes/s: the median of ``repeats`` samples (``ReadBandwidth``)."""
+    probe = ReadBandwidth(device, mib)
+    probe.sample(repeats)
+    return probe.median
 
 
 def _pct(values: list[float], scale: float = 1.0) -> dict[str, float]:
@@ -174,16 +193,18 @@ def benchmark_latency(ns: argparse.Namespace) -> dict[str, Any]:
         reqs = random_requests(n_total * ns.batch_size, ns.input_len, ns.output_len, vocab,
                                ns.seed)
         timings = []
+        probe = ReadBandwidth(cfg.device.device, ns.bandwidth_mib) if ns.bandwidth_mib else None
         for it in range(n_total):
             prompts = [r.prompt_token_ids for r in reqs[it * ns.batch_size:
                                                         (it + 1) * ns.batch_size]]
             t = run_batch(engine, prompts, ns.output_len, f"it{it}")
             if it >= ns.num_iters_warmup:
                 timings.append(t)
+                if probe is not None:
+                    probe.sample(_BANDWIDTH_SAMPLES_PER_ITER)  # as the machine is right now
         runner = getattr(engine.engine_core.executor, "runner", None)  # None with TP workers
         weights = decode_weight_bytes(runner.model) if runner is not None else None
-        bandwidth = (measure_read_bandwidth(cfg.device.device, ns.bandwidth_mib)
-                     if ns.bandwidth_mib else None)
+        bandwidth = probe.median if probe is not None else None
     finally:
         engine.shutdown()
     steps = [s for t in timings for s in t.decode_step_s]
@@ -206,6 +227,7 @@ def benchmark_latency(ns: argparse.Namespace) -> dict[str, Any]:
         result.update(param_bytes=weights[0], decode_weight_bytes_per_step=weights[1])
     if bandwidth is not None:
         result["read_bandwidth_gb_s"] = bandwidth / 1e9
+        result["read_bandwidth_samples_gb_s"] = [b / 1e9 for b in probe.samples]
     if weights is not None and bandwidth is not None:
         floor_ms = weights[1] / bandwidth * 1e3
         result["decode_floor_ms_per_step"] = floor_ms
@@ -235,7 +257,9 @@ def format_result(r: dict[str, Any]) -> str:
         lines.append(f"{'Weights read per decode step:':<{w}}"
                      f"{r['decode_weight_bytes_per_step'] / 2**20:.1f} MiB")
     if "read_bandwidth_gb_s" in r:
-        lines.append(f"{'Memory read bandwidth:':<{w}}{r['read_bandwidth_gb_s']:.1f} GB/s")
+        samples = r.get("read_bandwidth_samples_gb_s") or [r["read_bandwidth_gb_s"]]
+        lines.append(f"{'Memory read bandwidth:':<{w}}{r['read_bandwidth_gb_s']:.1f} GB/s "
+                     f"(median of {len(samples)}, {min(samples):.0f}-{max(samples):.0f})")
     if "decode_vs_floor" in r:
         who = "batch-1 decode" if r["batch_size"] == 1 else f"batch-{r['batch_size']} decode"
         lines.append(f"{who} {r['decode_ms_per_step']['avg']:.2f} ms/token vs floor "
