@@ -9,23 +9,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagellm.core.scheduler import Scheduler
+from pagellm.engine.overlap import OverlappedSteps
 from pagellm.errors import EngineSleepingError, EngineStepsFailedError, WorkerFailedError
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import FinishReason, Request, RequestStatus
 from pagellm.structured_output.compiler import GrammarCompiler, grammar_compiler_for
 from pagellm.structured_output.manager import StructuredOutputManager
-
-if TYPE_CHECKING:
-    from pagellm.worker.executor import StepFuture
 
 logger = logging.getLogger("pagellm")
 
@@ -46,15 +43,6 @@ class IterationStats:
     num_generation_tokens: int = 0
     num_finished: dict[str, int] = field(default_factory=dict)
     step_time_s: float = 0.0
-
-
-@dataclass(slots=True)
-class InFlightStep:
-    """A step submitted but not yet processed (async scheduling)."""
-
-    sched_output: SchedulerOutput
-    num_prefill_tokens: int  # counted at schedule time (see _num_prefill_tokens)
-    future: StepFuture
 
 
 class EngineCore:
@@ -80,11 +68,9 @@ class EngineCore:
             grammar_compiler = grammar_compiler_for(
                 config, lambda: _load_tokenizer(config), eos_token_id)
         self.structured_output = StructuredOutputManager(grammar_compiler)
-        # Async scheduling (see _step_overlapped): the step submitted and not processed yet,
-        # and outputs of a step drained between steps (sent by the next step()).
+        # Async scheduling (engine/overlap.py): the step submitted and not processed yet.
         self.async_scheduling = config.scheduler.async_scheduling
-        self._in_flight: InFlightStep | None = None
-        self._drained: list[EngineCoreOutput] = []
+        self.overlap = OverlappedSteps(self)
         logger.info("Engine ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: Request) -> None:
@@ -102,26 +88,25 @@ class EngineCore:
             self.scheduler.finish_requests(req_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
-                or bool(self._drained))
+        return self.scheduler.has_unfinished_requests() or self.overlap.pending
 
     def step(self) -> list[EngineCoreOutput]:
         if not self.has_unfinished_requests():
             return []
         start = time.perf_counter()
-        outputs, self._drained = self._drained + self._update_grammars(), []
+        outputs = self.overlap.take_drained() + self._update_grammars()
         if not self.scheduler.has_unfinished_requests():
-            outputs += self._collect_in_flight()  # a step of finished requests only
-        elif self._only_compiling() and self._in_flight is None:
+            outputs += self.overlap.collect_in_flight()  # a step of finished requests only
+        elif self._only_compiling() and self.overlap.in_flight is None:
             # Nothing can run until a grammar compiles: wait for one (not a busy loop).
             self.structured_output.wait_for_compiles(_GRAMMAR_WAIT_S)
             return outputs
         elif self.async_scheduling and not self.structured_output.num_requests:
-            outputs += self._step_overlapped()
+            outputs += self.overlap.step()
         else:
             # A constrained request's bitmask needs its grammar fed every token so far: no
             # step may be in flight when one is scheduled.
-            outputs += self._collect_in_flight()
+            outputs += self.overlap.collect_in_flight()
             if self.scheduler.has_unfinished_requests() and not self._only_compiling():
                 outputs += self._step_sync()
         self.stats.step_time_s += time.perf_counter() - start
@@ -132,83 +117,22 @@ class EngineCore:
         if self.structured_output.num_requests:
             sched_output.grammar_bitmask = self.structured_output.grammar_bitmask(
                 sched_output, self.scheduler.requests)
-        num_prefill = self._num_prefill_tokens(sched_output)  # before finished requests go
+        num_prefill = self.num_prefill_tokens(sched_output)  # before finished requests go
         try:
             runner_output = self.executor.execute_model(sched_output)
         except WorkerFailedError:
             raise  # a tensor-parallel rank is gone: the executor cannot run another step
         except Exception as e:
-            return self._fail_step(sched_output, e)
+            return self.fail_step(sched_output, e)
         self.num_consecutive_step_failures = 0
         outputs = self.scheduler.update_from_output(sched_output, runner_output)
-        self._count(num_prefill, outputs)
+        self.count(num_prefill, outputs)
         return outputs
-
-    def _step_overlapped(self) -> list[EngineCoreOutput]:
-        """Async scheduling: schedule and submit step N+1, then process step N's tokens (the
-        previous call's submission) while N+1 runs; returns N's outputs.
-
-        NOTE: blocks freed while a step is in flight (a request finished by step N's tokens,
-        an abort, a preemption, a sliding window moving on) may still be written by that
-        step, and are handed out again only by a later schedule(). The runner runs steps
-        strictly in submission order, so the new owner's step starts after the old owner's
-        last write: zeroing of new blocks happens at the start of its step, after those
-        writes, and a prefix hit on a block hashed for step N (cached at allocation) is read
-        by a step after N. If step N fails, the step after it (which may have read N's K/V
-        or taken N's sampled tokens as input) fails with it; see _fail_in_flight."""
-        sched_output = self.scheduler.schedule()
-        if sched_output.total_num_scheduled_tokens == 0 and self._in_flight is not None:
-            # Nothing to run until the tokens in flight come back: no empty step; the ids it
-            # tells the runner to drop go with the next one.
-            self.scheduler.defer_to_next_step(sched_output)
-            return self._collect_in_flight()
-        num_prefill = self._num_prefill_tokens(sched_output)
-        try:
-            future = self.executor.execute_model_async(sched_output)
-        except WorkerFailedError:
-            raise
-        except Exception as e:  # collected, and failed, like a step that raised
-            future = Future()
-            future.set_exception(e)
-        previous, self._in_flight = self._in_flight, InFlightStep(sched_output, num_prefill,
-                                                                  future)
-        return self._collect(previous) if previous is not None else []
-
-    def _collect_in_flight(self) -> list[EngineCoreOutput]:
-        step, self._in_flight = self._in_flight, None
-        return self._collect(step) if step is not None else []
-
-    def _collect(self, step: InFlightStep) -> list[EngineCoreOutput]:
-        """Wait for a submitted step and process its tokens."""
-        try:
-            runner_output = step.future.result()
-        except WorkerFailedError:
-            raise
-        except Exception as e:
-            return self._fail_in_flight(step, e)
-        self.num_consecutive_step_failures = 0
-        outputs = self.scheduler.update_from_output(step.sched_output, runner_output)
-        self._count(step.num_prefill_tokens, outputs)
-        return outputs
-
-    def _fail_in_flight(self, step: InFlightStep, error: Exception) -> list[EngineCoreOutput]:
-        """A submitted step raised: wait for the one submitted after it (if any) and fail
-        both steps' requests (the later one ran on the failed step's K/V and tokens)."""
-        later, self._in_flight = self._in_flight, None
-        if later is not None:
-            try:
-                later.future.result()
-            except WorkerFailedError:
-                raise
-            except Exception:
-                pass  # its requests fail below in any case
-        return self._fail_step(step.sched_output, error,
-                               later.sched_output if later is not None else None)
 
     def drain(self) -> None:
         """Process the step in flight (async scheduling) before anything else uses the runner
         or the block pool wholesale; its outputs go out with the next step()."""
-        self._drained += self._collect_in_flight()
+        self.overlap.drain()
 
     def _update_grammars(self) -> list[EngineCoreOutput]:
         """Admit the requests whose grammar compiled; finish those whose compile failed (the
@@ -229,8 +153,8 @@ class EngineCore:
         return (not sched.running and self.structured_output.num_compiling > 0
                 and self.structured_output.num_compiling == len(sched.waiting))
 
-    def _fail_step(self, sched_output: SchedulerOutput, error: Exception,
-                   later: SchedulerOutput | None = None) -> list[EngineCoreOutput]:
+    def fail_step(self, sched_output: SchedulerOutput, error: Exception,
+                  later: SchedulerOutput | None = None) -> list[EngineCoreOutput]:
         """Finish the step's requests (and those of ``later``, the step scheduled after it with
         async scheduling) with finish_reason "error" (blocks freed, the scheduler consistent),
         or raise EngineStepsFailedError after too many failed steps in a row."""
@@ -251,10 +175,10 @@ class EngineCore:
         reason = FinishReason.ERROR.value
         outputs = [EngineCoreOutput(req_id=r, new_token_ids=[], finish_reason=reason)
                    for r in failed]
-        self._count(0, outputs)
+        self.count(0, outputs)
         return outputs
 
-    def _num_prefill_tokens(self, so: SchedulerOutput) -> int:
+    def num_prefill_tokens(self, so: SchedulerOutput) -> int:
         """Scheduled tokens at prompt positions: prompt tokens computed this step (prefix-cache
         hits are never scheduled; a 1-token last prefill chunk still counts, recomputed output
         tokens after a preemption do not)."""
@@ -267,7 +191,7 @@ class EngineCore:
             n += max(0, min(counts[req_id], num_prompt - num_computed))
         return n
 
-    def _count(self, num_prefill: int, outputs: list[EngineCoreOutput]) -> None:
+    def count(self, num_prefill: int, outputs: list[EngineCoreOutput]) -> None:
         st = self.stats
         st.num_steps += 1
         num_gen = 0
@@ -352,7 +276,7 @@ class EngineCore:
         return self.sleep_level > 0
 
     def shutdown(self) -> None:
-        self._in_flight = None  # the executor's shutdown waits for it or stops its workers
+        self.overlap.in_flight = None  # the executor's shutdown waits for it or stops its workers
         self.structured_output.shutdown()
         self.executor.shutdown()
 

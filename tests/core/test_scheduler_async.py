@@ -62,7 +62,7 @@ def check_placeholders(sched: Scheduler) -> None:
 def run_pipelined(sched: Scheduler, runner: FakeRunner, run_early: bool,
                   aborts: dict[int, list[str]] | None = None,
                   max_steps: int = 10_000) -> dict[str, list]:
-    """EngineCore._step_overlapped's order. ``run_early``: a step runs as soon as it is
+    """OverlappedSteps.step's order (engine/overlap.py). ``run_early``: a step runs as soon as it is
     submitted; otherwise only when collected, after the next step was scheduled. ``aborts``:
     iteration -> request ids aborted after it (a step is in flight then)."""
     outputs: dict[str, list] = {}

@@ -84,7 +84,7 @@ def assert_same_logprobs(want, got) -> None:
 def assert_idle(llm: LLM) -> None:
     core = llm.llm_engine.engine_core
     sched = core.scheduler
-    assert not core.has_unfinished_requests() and core._in_flight is None
+    assert not core.has_unfinished_requests() and core.overlap.in_flight is None
     assert not sched.requests and not sched.running and not sched.waiting
     kv = sched.kv_cache_manager
     kv.block_pool.check_invariants()
@@ -186,7 +186,7 @@ def test_aborts_while_a_step_is_in_flight_leak_no_block(engines) -> None:
             if o.finished:
                 finished[o.request_id] = o.outputs[0].finish_reason
         if step in (1, 4, 9):  # a step is in flight right now
-            assert core._in_flight is not None
+            assert core.overlap.in_flight is not None
             victims = [f"a{i}" for i in range(step % 3, 10, 3) if f"a{i}" not in finished]
             engine.abort_request(victims)
             for v in victims:
