@@ -11,20 +11,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import hf_compare
 import numpy as np
 import pytest
 import torch
-from paged_harness import PagedHarness
+from gguf_checks import (
+    assert_hf_greedy,
+    assert_same_paged_logits,
+    assert_same_weights,
+    finish_gguf,
+)
 from sliding_window_models import write_sliding_model
 
 from pagellm.models.gguf_gemma import gemma_layer_types
 from pagellm.models.gguf_loader import gguf_to_hf_name
-from pagellm.models.loader import build_model, load_hf_config, resolve_model_source
+from pagellm.models.loader import load_hf_config, resolve_model_source
 from pagellm.planning.model_spec import gguf_model_spec
 from pagellm.planning.weights import num_parameters
 
-PROMPT = "The quick brown fox jumps over the lazy dog. Hello, world! How are you today?" * 2
-NUM_NEW = 8
 # HF name -> GGUF name (gguf.tensor_mapping for MODEL_ARCH.GEMMA2 / GEMMA3).
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
@@ -83,10 +87,7 @@ def write_gemma_gguf(hf_dir: Path, out: Path, tokenizer) -> Path:
             _, _, layer, rest = stem.split(".", 3)
             gguf_name = f"blk.{layer}.{_BLOCK[rest]}.{suffix}"
         w.add_tensor(gguf_name, np.ascontiguousarray(t.numpy()))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return out
 
 
@@ -110,15 +111,9 @@ def _hf_dir(arch: str, path: Path) -> Path:
     return path
 
 
-def _ours(path: Path) -> torch.nn.Module:
-    src = resolve_model_source(str(path))
-    return build_model(load_hf_config(src), src, torch.float32, torch.device("cpu"))
-
-
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_gemma_gguf_matches_safetensors_and_transformers(arch, tmp_path, monkeypatch,
                                                          tiny_tokenizer):
-    from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
     hf_dir = _hf_dir(arch, tmp_path / "hf")
@@ -141,27 +136,17 @@ def test_gemma_gguf_matches_safetensors_and_transformers(arch, tmp_path, monkeyp
                 assert np.float32(got) == np.float32(want), key
         assert config.rope_parameters == hf_config.rope_parameters
 
-    ours, reference = _ours(gguf), _ours(hf_dir)
-    ref_state = reference.state_dict()
-    for name, tensor in ours.state_dict().items():  # norms back to w, as in the checkpoint
-        assert torch.equal(tensor, ref_state[name]), name
-    ids = tiny_tokenizer(PROMPT).input_ids
-    logits = PagedHarness(ours, block_size=16).step([("a", ids)], all_logits=True)
-    expected = PagedHarness(reference, block_size=16).step([("a", ids)], all_logits=True)
-    assert torch.equal(logits, expected)
+    ours, reference = hf_compare.ours(gguf), hf_compare.ours(hf_dir)
+    assert_same_weights(ours, reference)  # norms back to w, as in the checkpoint
+    ids = tiny_tokenizer(hf_compare.PROMPT).input_ids
+    assert_same_paged_logits(ours, reference, ids)
 
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                              attn_implementation="eager",
-                                              local_files_only=True).eval()
+    hf = hf_compare.reference(hf_dir)
     spec = gguf_model_spec(str(gguf))  # pagellm plan: windows per layer, parameter count
     assert spec.engine_supported
     assert spec.layer_windows == tuple(ours.layer_windows)
     assert num_parameters(spec) == sum(p.numel() for p in hf.parameters())
-    hf.generation_config.eos_token_id = None
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, do_sample=False)
-    expected_tokens = out[0, len(ids):].tolist()
-    assert len(set(expected_tokens)) > 2
-    assert PagedHarness(ours, block_size=16).greedy("a", ids, NUM_NEW) == expected_tokens
+    assert_hf_greedy(ours, hf, ids)
 
 
 @pytest.mark.parametrize("arch,layers", [("gemma2", 26), ("gemma3", 26), ("gemma3", 62)])

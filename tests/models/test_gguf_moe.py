@@ -12,18 +12,21 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import hf_compare
 import numpy as np
 import pytest
-import torch
-from paged_harness import PagedHarness
+from gguf_checks import (
+    assert_hf_greedy,
+    assert_same_paged_logits,
+    assert_same_weights,
+    finish_gguf,
+)
 
 from pagellm.models.gguf_loader import gguf_expert_names, gguf_to_hf_name
-from pagellm.models.loader import build_model, load_hf_config, resolve_model_source
+from pagellm.models.loader import load_hf_config, resolve_model_source
 from pagellm.planning.model_spec import gguf_model_spec
 from pagellm.planning.weights import num_parameters
 
-PROMPT = "The quick brown fox jumps over the lazy dog. Hello, world! How are you today?" * 2
-NUM_NEW = 8
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -104,20 +107,12 @@ def write_moe_gguf(hf_dir: Path, out: Path, tokenizer, per_expert: bool = False)
     for (layer, proj), experts in stacks.items():
         stacked = np.stack([experts[e] for e in sorted(experts)])
         w.add_tensor(f"blk.{layer}.{_STACKS[proj]}.weight", stacked)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return out
 
 
 def _head_dim(c) -> int:
     return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-
-
-def _ours(path: Path) -> torch.nn.Module:
-    src = resolve_model_source(str(path))
-    return build_model(load_hf_config(src), src, torch.float32, torch.device("cpu"))
 
 
 def _hf_dir(case: str, tmp_path: Path, tiny_model_dir, make_tiny_model) -> Path:
@@ -132,7 +127,6 @@ def _hf_dir(case: str, tmp_path: Path, tiny_model_dir, make_tiny_model) -> Path:
 def test_moe_gguf_matches_safetensors_and_transformers(case, tmp_path, monkeypatch,
                                                        tiny_model_dir, make_tiny_model,
                                                        tiny_tokenizer):
-    from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
     hf_dir = _hf_dir(case, tmp_path, tiny_model_dir, make_tiny_model)
@@ -156,30 +150,18 @@ def test_moe_gguf_matches_safetensors_and_transformers(case, tmp_path, monkeypat
             assert getattr(config, key, None) == getattr(hf_config, key, None), (key, attempt)
 
     for attempt in range(2):  # the GGUF's tensors, then the cache's safetensors copy
-        ours, reference = _ours(gguf), _ours(hf_dir)
-        ref_state = reference.state_dict()
-        got_state = ours.state_dict()
-        assert got_state.keys() == ref_state.keys()
-        for name, tensor in got_state.items():  # experts stacked as from safetensors
-            assert torch.equal(tensor, ref_state[name]), (name, attempt)
-    ids = tiny_tokenizer(PROMPT).input_ids
-    logits = PagedHarness(ours, block_size=16).step([("a", ids)], all_logits=True)
-    expected = PagedHarness(reference, block_size=16).step([("a", ids)], all_logits=True)
-    assert torch.equal(logits, expected)
+        ours, reference = hf_compare.ours(gguf), hf_compare.ours(hf_dir)
+        assert_same_weights(ours, reference, attempt)  # experts stacked as from safetensors
+    ids = tiny_tokenizer(hf_compare.PROMPT).input_ids
+    assert_same_paged_logits(ours, reference, ids)
 
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                              attn_implementation="eager",
-                                              local_files_only=True).eval()
+    hf = hf_compare.reference(hf_dir)
     # `pagellm plan` reads only the GGUF header: every expert counted, as transformers does.
     spec = gguf_model_spec(str(gguf))
     assert spec.engine_supported and spec.num_experts == len(ours.model.layers[0].mlp.experts
                                                              .w13_weight)
     assert num_parameters(spec) == sum(p.numel() for p in hf.parameters())
-    hf.generation_config.eos_token_id = None
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, do_sample=False)
-    expected_tokens = out[0, len(ids):].tolist()
-    assert len(set(expected_tokens)) > 2
-    assert PagedHarness(ours, block_size=16).greedy("a", ids, NUM_NEW) == expected_tokens
+    assert_hf_greedy(ours, hf, ids)
 
 
 def test_moe_gguf_tensor_names():

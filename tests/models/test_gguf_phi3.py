@@ -8,17 +8,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import hf_compare
 import numpy as np
 import pytest
 import torch
-from paged_harness import PagedHarness
+from gguf_checks import (
+    assert_hf_greedy,
+    assert_same_paged_logits,
+    assert_same_weights,
+    finish_gguf,
+)
 
 from pagellm.layers.rotary import get_rope_parameters
 from pagellm.models.gguf_loader import gguf_to_hf_name
-from pagellm.models.loader import build_model, load_hf_config, resolve_model_source
+from pagellm.models.loader import load_hf_config, resolve_model_source
 
-PROMPT = "The quick brown fox jumps over the lazy dog. Hello, world! How are you today?" * 2
-NUM_NEW = 8
 # HF name -> GGUF name (gguf.constants TENSOR_NAMES for MODEL_ARCH.PHI3).
 _TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
             "input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv",
@@ -64,10 +68,7 @@ def write_phi3_gguf(hf_dir: Path, out: Path, tokenizer) -> Path:
         for kind in ("long", "short"):
             w.add_tensor(f"rope_factors_{kind}.weight",
                          np.array(rope[f"{kind}_factor"], dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return out
 
 
@@ -84,16 +85,10 @@ def _hf_dir(case: str, tmp_path: Path, tiny_model_dir, make_tiny_model) -> Path:
         "long_factor": [1.0 + 1.5 * i for i in range(half)]})
 
 
-def _ours(path: Path) -> torch.nn.Module:
-    src = resolve_model_source(str(path))
-    return build_model(load_hf_config(src), src, torch.float32, torch.device("cpu"))
-
-
 @pytest.mark.parametrize("case", ["longrope", "default", "partial-tied"])
 def test_phi3_gguf_matches_safetensors_and_transformers(case, tmp_path, monkeypatch,
                                                         tiny_model_dir, make_tiny_model,
                                                         tiny_tokenizer):
-    from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
     hf_dir = _hf_dir(case, tmp_path, tiny_model_dir, make_tiny_model)
@@ -115,24 +110,14 @@ def test_phi3_gguf_matches_safetensors_and_transformers(case, tmp_path, monkeypa
                 assert torch.equal(torch.tensor(got[key], dtype=torch.float32),
                                    torch.tensor(want[key], dtype=torch.float32)), key
 
-    ours, reference = _ours(gguf), _ours(hf_dir)
-    ref_state = reference.state_dict()
-    for name, tensor in ours.state_dict().items():  # fused tensors split as from safetensors
-        assert torch.equal(tensor, ref_state[name]), name
-    ids = tiny_tokenizer(PROMPT).input_ids
-    logits = PagedHarness(ours, block_size=16).step([("a", ids)], all_logits=True)
-    expected = PagedHarness(reference, block_size=16).step([("a", ids)], all_logits=True)
-    # Bit-for-bit: rms_norm_eps and the rope factors, stored as float32, are used as float32.
-    assert torch.equal(logits, expected)
+    ours, reference = hf_compare.ours(gguf), hf_compare.ours(hf_dir)
+    assert_same_weights(ours, reference)  # fused tensors split as from safetensors
+    ids = tiny_tokenizer(hf_compare.PROMPT).input_ids
+    # Bit for bit: rms_norm_eps and the rope factors, stored as float32, are used as float32.
+    assert_same_paged_logits(ours, reference, ids)
 
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                              attn_implementation="eager",
-                                              local_files_only=True).eval()
-    hf.generation_config.eos_token_id = None
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, do_sample=False)
-    expected_tokens = out[0, len(ids):].tolist()
-    assert len(set(expected_tokens)) > 2
-    assert PagedHarness(ours, block_size=16).greedy("a", ids, NUM_NEW) == expected_tokens
+    hf = hf_compare.reference(hf_dir)
+    assert_hf_greedy(ours, hf, ids)
 
 
 def test_phi3_gguf_tensor_names():
