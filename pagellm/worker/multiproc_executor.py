@@ -16,7 +16,9 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 import weakref
@@ -35,6 +37,7 @@ _SHUTDOWN_GRACE_S = 5.0
 
 
 def free_port() -> int:
+    """A TCP port free right now (another process may take it before the caller binds it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -63,7 +66,10 @@ class MultiprocExecutor:
         self._call_id = 0  # replies carry it: one left over from an interrupted call is dropped
         self._broadcast = ShmBroadcastWriter(num_readers=tp)
         ctx = multiprocessing.get_context("spawn")  # fork after torch/threads is unsafe
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        # The ranks meet through a file in a private directory: a TCP port picked here could be
+        # taken by another process before rank 0 listens on it (EADDRINUSE on a busy host).
+        self._rendezvous_dir = tempfile.mkdtemp(prefix="pagellm-tp-")  # created 0700
+        init_method = f"file://{os.path.join(self._rendezvous_dir, 'rendezvous')}"
         threads = cpu_threads_per_rank(tp) if device.type == "cpu" else None
         self.procs: list[Any] = []
         self._conns: list[Connection] = []
@@ -167,6 +173,8 @@ class MultiprocExecutor:
         for conn in self._conns:
             conn.close()
         self._broadcast.close()
+        if getattr(self, "_rendezvous_dir", None):
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):

@@ -41,7 +41,7 @@ class WorkerArgs:
     config: EngineConfig  # with this rank's device (cuda:rank on CUDA)
     eos_token_id: int | None
     backend: str  # "gloo" or "nccl"
-    init_method: str  # tcp://127.0.0.1:PORT
+    init_method: str  # file://<private dir>/rendezvous (torch.distributed's file store)
     broadcast: BroadcastHandle
     conn: Connection  # worker -> engine
     parent_pid: int
