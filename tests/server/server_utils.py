@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def serve_tiny_llama(tmp_path_factory, make_tiny_model, name: str, args: list[str],
+                     **config) -> Iterator[ServerProcess]:
+    """A server of a fresh tiny llama (``config``: its config overrides) in a temporary folder
+    ``name``, stopped when the generator closes: a module fixture's body (``yield from``)."""
+    root = tmp_path_factory.mktemp(name)
+    model = make_tiny_model(root / "model", "llama", **config)
+    srv = ServerProcess([str(model), *args], root / "server.log")
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 class ServerProcess:

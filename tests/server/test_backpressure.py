@@ -10,7 +10,7 @@ import threading
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess, metric, scrape, wait_until
+from server_utils import metric, scrape, serve_tiny_llama, wait_until
 
 from pagellm.entrypoints.openai.cli_serve import add_server_args, server_limits_from
 
@@ -26,11 +26,8 @@ LONG = {"prompt": "hello", "max_tokens": 4000, "ignore_eos": True, "temperature"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, make_tiny_model):
-    root = tmp_path_factory.mktemp("backpressure")
-    model = make_tiny_model(root / "model", "llama", max_position_embeddings=4096)
-    srv = ServerProcess([str(model), *ARGS], root / "server.log")
-    yield srv
-    srv.stop()
+    yield from serve_tiny_llama(tmp_path_factory, make_tiny_model, "backpressure", ARGS,
+                                max_position_embeddings=4096)
 
 
 def stream_first_chunk(base_url: str, body: dict, started: threading.Event,

@@ -9,7 +9,7 @@ import threading
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess, metric, scrape, wait_until
+from server_utils import metric, scrape, serve_tiny_llama, wait_until
 
 from pagellm.core.sched_output import EngineCoreOutput
 from pagellm.metrics.request_stats import RequestStatsTracker
@@ -45,11 +45,8 @@ def test_tracker_counts_prompts_until_their_first_token() -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, make_tiny_model):
-    root = tmp_path_factory.mktemp("queued_tokens")
-    model = make_tiny_model(root / "model", "llama", max_position_embeddings=4096)
-    srv = ServerProcess([str(model), *ARGS], root / "server.log")
-    yield srv
-    srv.stop()
+    yield from serve_tiny_llama(tmp_path_factory, make_tiny_model, "queued_tokens", ARGS,
+                                max_position_embeddings=4096)
 
 
 def open_stream(base_url: str, first_token: threading.Event, results: list,

@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_utils import ServerProcess
+from server_utils import serve_tiny_llama
 
 ARGS = ["--served-model-name", "m", "--dtype", "float32", "--max-model-len", "2048",
         "--kv-cache-memory", "16MiB",
@@ -36,12 +36,9 @@ CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|R
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, make_tiny_model):
-    root = tmp_path_factory.mktemp("tools")
     # The test tokenizer is small: a prompt with tools is some 800 of its tokens.
-    model = make_tiny_model(root / "model", "llama", max_position_embeddings=2048)
-    srv = ServerProcess([str(model), *ARGS], root / "server.log")
-    yield srv
-    srv.stop()
+    yield from serve_tiny_llama(tmp_path_factory, make_tiny_model, "tools", ARGS,
+                                max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")
