@@ -142,6 +142,14 @@ def metric(metrics: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
+def drained(base_url: str) -> bool:
+    """No request running or waiting, and no KV block held (every block back in the pool)."""
+    m = scrape(base_url)
+    return (metric(m, "pagellm:num_requests_running") == 0
+            and metric(m, "pagellm:num_requests_waiting") == 0
+            and metric(m, "pagellm:kv_cache_usage_perc") == 0)
+
+
 def load_soak():
     """scripts/soak.py as a module (it is a script, not a package module)."""
     spec = importlib.util.spec_from_file_location("soak", REPO / "scripts" / "soak.py")

@@ -10,7 +10,7 @@ import threading
 import httpx
 import openai
 import pytest
-from server_utils import metric, scrape, serve_tiny_llama, wait_until
+from server_utils import drained, serve_tiny_llama, wait_until
 
 from pagellm.entrypoints.openai.cli_serve import add_server_args, server_limits_from
 
@@ -61,13 +61,6 @@ def fill_queue(base: str, hold: threading.Event) -> list[threading.Thread]:
         results.append(res)
     assert [r[0] for r in results] == [200, 200, 200]
     return threads
-
-
-def drained(base: str) -> bool:
-    m = scrape(base)
-    return (metric(m, "pagellm:num_requests_running") == 0
-            and metric(m, "pagellm:num_requests_waiting") == 0
-            and metric(m, "pagellm:kv_cache_usage_perc") == 0)
 
 
 def test_full_queue_gets_503_then_recovers(server):

@@ -14,7 +14,15 @@ import httpx
 import openai
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from server_utils import TINY_ARGS, ServerProcess, metric, pid_alive, scrape, wait_until
+from server_utils import (
+    TINY_ARGS,
+    ServerProcess,
+    drained,
+    metric,
+    pid_alive,
+    scrape,
+    wait_until,
+)
 
 from pagellm.benchmarks.serve import benchmark, load_dataset
 
@@ -348,13 +356,7 @@ def test_client_disconnects_abort_requests(server, client):
 
     asyncio.run(main())
 
-    def idle():
-        m = scrape(server.base_url)
-        return (metric(m, "pagellm:num_requests_running") == 0
-                and metric(m, "pagellm:num_requests_waiting") == 0
-                and metric(m, "pagellm:kv_cache_usage_perc") == 0)
-
-    assert wait_until(idle, timeout_s=60), scrape(server.base_url)
+    assert wait_until(lambda: drained(server.base_url), timeout_s=60), scrape(server.base_url)
     after = scrape(server.base_url)
     aborted = (metric(after, "pagellm:request_success_total", finished_reason="abort")
                - metric(before, "pagellm:request_success_total", finished_reason="abort"))

@@ -9,7 +9,7 @@ import threading
 import httpx
 import openai
 import pytest
-from server_utils import metric, scrape, serve_tiny_llama, wait_until
+from server_utils import drained, serve_tiny_llama, wait_until
 
 from pagellm.core.sched_output import EngineCoreOutput
 from pagellm.metrics.request_stats import RequestStatsTracker
@@ -64,13 +64,6 @@ def open_stream(base_url: str, first_token: threading.Event, results: list,
                 first_token.set()
             if hold.is_set():
                 break  # disconnect: the request is aborted
-
-
-def drained(base: str) -> bool:
-    m = scrape(base)
-    return (metric(m, "pagellm:num_requests_running") == 0
-            and metric(m, "pagellm:num_requests_waiting") == 0
-            and metric(m, "pagellm:kv_cache_usage_perc") == 0)
 
 
 def test_prefill_backlog_gets_503_then_recovers(server):
