@@ -109,12 +109,20 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int, device: torch.devi
     return [(kv[t, 0], kv[t, 1]) for t in layout.tensor_of_layer]
 
 
+def kv_cache_base(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+    """The ``[layers, 2, blocks, ...]`` tensor ``allocate_kv_caches``' views share, or None
+    (no cache, or per-layer tensors of their own)."""
+    if not kv_caches:
+        return None
+    k0 = kv_caches[0][0]
+    base = k0._base
+    return base if base is not None and base.dim() == k0.dim() + 2 else None
+
+
 def kv_cache_bytes(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     """The bytes ``allocate_kv_caches`` allocated for these views (the whole tensor they share,
     null and scratch blocks included), or their own bytes where they share none."""
-    if not kv_caches:
-        return 0
-    base = kv_caches[0][0]._base
-    if base is not None and base.dim() == kv_caches[0][0].dim() + 2:
+    base = kv_cache_base(kv_caches)
+    if base is not None:
         return base.numel() * base.element_size()
     return sum(t.numel() * t.element_size() for kv in kv_caches for t in kv)

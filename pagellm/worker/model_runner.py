@@ -28,7 +28,7 @@ from pagellm.worker.cuda_graphs import (
 )
 from pagellm.worker.flat_batch import flat_positions, paged_attention_metadata
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
-from pagellm.worker.kv_cache import allocate_kv_caches, plan_for_device
+from pagellm.worker.kv_cache import allocate_kv_caches, kv_cache_base, plan_for_device
 from pagellm.worker.prompt_logprobs import (
     PromptLogprobsPlan,
     compute_prompt_logprobs,
@@ -237,10 +237,9 @@ class ModelRunner:
                 ids += block_ids
         if ids and self.kv_caches:
             index = torch.tensor(ids, dtype=torch.long, device=self.device)
-            k0 = self.kv_caches[0][0]
             # All layers' K and V are views of one tensor [layers, 2, blocks, ...].
-            base = k0._base if k0._base is not None else None
-            if base is not None and base.dim() == k0.dim() + 2:
+            base = kv_cache_base(self.kv_caches)
+            if base is not None:
                 base.index_fill_(2, index, 0)
             else:
                 for k, v in self.kv_caches:

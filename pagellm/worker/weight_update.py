@@ -112,11 +112,10 @@ def _reuse_storage(layer: nn.Module, old: dict[str, torch.Tensor]) -> None:
             continue
         prev.data.copy_(new.data)
         setattr(layer, name, prev)
-    prev, method = old.get(_KERNEL_COPY), layer.linear_method  # only UnquantizedLinearMethod's
-    fresh = method._cpu_weight if prev is not None else None
+    prev = old.get(_KERNEL_COPY)  # only an UnquantizedLinearMethod's
+    fresh = layer.linear_method.kernel_weight(layer) if prev is not None else None
     if fresh is not None and _same_layout(prev, fresh):
-        prev.copy_(fresh)
-        method._cpu_weight = prev
+        layer.linear_method.move_kernel_weight(layer, prev)
 
 
 Shard = int | str | tuple[int, str] | None  # a weight_loader's shard id; (expert, w1|w3|w2)

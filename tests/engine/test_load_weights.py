@@ -27,12 +27,12 @@ def layouts(llm: LLM) -> tuple:
     return model.model.cpu_fused is not None, kinds
 
 
-def kernel_weight_addresses(llm: LLM) -> list[int]:
-    """Where each weight a CPU kernel streams lives (gather_kernel_weights placed them)."""
+def kernel_weights(llm: LLM) -> list[torch.Tensor]:
+    """The weights a CPU kernel streams, in module order (gather_kernel_weights placed them);
+    quantized methods have none."""
     model = llm.llm_engine.engine_core.executor.runner.model
-    methods = [(m, m.linear_method) for m in model.modules() if hasattr(m, "linear_method")]
-    return [w.data_ptr() for m, method in methods
-            if (w := getattr(method, "kernel_weight", lambda _: None)(m)) is not None]
+    return [w for m in model.modules() if hasattr(m, "linear_method")
+            and (w := getattr(m.linear_method, "kernel_weight", lambda _: None)(m)) is not None]
 
 
 def engine(path: Path, **kw) -> LLM:
@@ -48,10 +48,10 @@ def test_update_equals_fresh_engine(tiny_llama_dir, new_model, kw) -> None:
     llm = engine(tiny_llama_dir, enable_prefix_caching=True, **kw)
     ps = prompts(llm.llm_engine.config.model.vocab_size)
     before = tokens(llm, ps)
-    layout, addresses = layouts(llm), kernel_weight_addresses(llm)
+    layout, addresses = layouts(llm), [w.data_ptr() for w in kernel_weights(llm)]
     assert llm.load_weights(weights.items()) == len(weights)
     assert layouts(llm) == layout  # the same kernels, the fused step (or not) as before
-    assert kernel_weight_addresses(llm) == addresses  # updated where they were
+    assert [w.data_ptr() for w in kernel_weights(llm)] == addresses  # updated where they were
     # The same prompts again: their blocks are cached from before, and must not be reused.
     after = tokens(llm, ps)
     want = tokens(engine(path, **kw), ps)
@@ -60,13 +60,26 @@ def test_update_equals_fresh_engine(tiny_llama_dir, new_model, kw) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tied_head_update(tiny_model_dir, tmp_path, dtype) -> None:
+    """A tied LM head's kernel reads a copy of the embedding: an update of the embedding
+    reaches it, in the copy's old storage."""
+    src = tiny_model_dir("llama-tied")
+    weights = perturbed_model(src, tmp_path / "updated")
+    llm = engine(src, dtype=dtype)
+    ps = prompts(llm.llm_engine.config.model.vocab_size)
+    before, addresses = tokens(llm, ps), [w.data_ptr() for w in kernel_weights(llm)]
+    assert llm.load_weights(weights.items()) == len(weights)
+    assert [w.data_ptr() for w in kernel_weights(llm)] == addresses
+    after = tokens(llm, ps)
+    assert after == tokens(engine(tmp_path / "updated", dtype=dtype), ps)
+    assert after != before
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kernel_weights_side_by_side(tiny_llama_dir, dtype) -> None:
     """The weights the CPU kernels stream lie one after another in the order a step reads
     them (batch-1 decode is one stream over the model)."""
-    llm = engine(tiny_llama_dir, dtype=dtype)
-    model = llm.llm_engine.engine_core.executor.runner.model
-    weights = [w for m in model.modules() if hasattr(m, "linear_method")
-               and (w := getattr(m.linear_method, "kernel_weight", lambda _: None)(m)) is not None]
+    weights = kernel_weights(engine(tiny_llama_dir, dtype=dtype))
     if not weights:
         pytest.skip("no CPU kernel streams these weights here")
     for w, nxt in pairwise(weights):
