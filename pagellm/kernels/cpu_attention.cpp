@@ -186,13 +186,15 @@ void scores_vec(const DecodePlan<C>& P, DecodeScratch& s, const DecodeItem<typen
   for (int64_t b = 0; b < it.nblocks; ++b) {
     const T* kb = k_cache + it.bt[b] * P.block_elems;
     const T* kn = b + PF < it.nblocks ? k_cache + it.bt[b + PF] * P.block_elems : nullptr;
-    // This block's V goes to L2 meanwhile, for the P.V pass (more misses in flight).
+    // The K block PF ahead and this block's V (for the P.V pass) go to L2, not L1: on Zen 4,
+    // L1 prefetches of scattered blocks fill its miss buffers and stall the dot products
+    // (decode attention read 17.5 GB/s with them, 21.4 without: docs/performance.md).
     const T* vl2 = v_cache + it.bt[b] * P.block_elems;
     const int64_t t0 = b * P.block_size;
     const int64_t n = std::min(it.L - t0, P.block_size);
     for (int64_t j0 = 0; j0 < n; j0 += 16)
       for (int64_t h = 0; h < P.H; ++h) {
-        if (kn != nullptr && j0 == 0) P.slices.per_head(kn, h);
+        if (kn != nullptr && j0 == 0) P.slices.per_head.to_l2(kn, h);
         if (j0 == 0) P.slices.per_head.to_l2(vl2, h);
         P.block_scores(s.scores.data() + h * it.L + t0 + j0, it.q + h * P.D,
                        kb + j0 * P.row + (h / P.G) * P.D, P.row, std::min<int64_t>(16, n - j0),
