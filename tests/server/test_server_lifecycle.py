@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -49,6 +50,22 @@ def test_bad_flag_value_exits_with_a_clear_message():
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert "--max-model-len 999999" in r.stderr
+
+
+def test_a_taken_port_fails_before_the_model_loads(tiny_model_dir):
+    """serve listens before it builds the engine: a taken port is a clear error at once (no
+    engine process started), not uvicorn's after the model loaded."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "pagellm.entrypoints.openai.cli_serve",
+                            str(tiny_model_dir("llama")), "--dtype", "float32",
+                            "--max-model-len", "256", "--port", str(port)],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert f"cannot listen on --host 127.0.0.1 --port {port}: Address already in use" in r.stderr
+    assert "[engine]" not in r.stderr  # nothing loaded
 
 
 # SIGTERM to the server (systemd, docker stop) with the default model, which is slow enough on a

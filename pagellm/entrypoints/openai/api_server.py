@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -300,9 +301,29 @@ def _add_sleep_routes(app: FastAPI, engine: AsyncLLM) -> None:
         return {"is_sleeping": await engine.is_sleeping()}
 
 
-async def serve_http(app: FastAPI, engine: AsyncLLM, host: str, port: int,
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port, opened before the engine loads (as vLLM does): a taken
+    port fails the start in a second, not after the model loaded, and no other process can
+    take the port meanwhile. Raises OSError."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def serve_http(app: FastAPI, engine: AsyncLLM, sock: socket.socket,
                      log_level: str = "info", **uvicorn_kwargs: Any) -> int:
-    """Run uvicorn until SIGINT/SIGTERM (exit code 0) or engine death (exit code 1)."""
+    """Run uvicorn on ``sock`` (listen_socket) until SIGINT/SIGTERM (exit code 0) or engine
+    death (exit code 1)."""
+    host, port = sock.getsockname()[:2]
+    # uvicorn logs no address for sockets it is handed.
+    logger.info("Listening on %s.", f"http://[{host}]:{port}" if ":" in host
+                else f"http://{host}:{port}")
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=5, **uvicorn_kwargs))
     exit_code = 0
@@ -315,7 +336,7 @@ async def serve_http(app: FastAPI, engine: AsyncLLM, host: str, port: int,
                                               lambda: setattr(server, "should_exit", True))
 
     engine.on_dead(on_dead)
-    await server.serve()
+    await server.serve(sockets=[sock])
     if not server.started and exit_code == 0:
-        exit_code = 1  # e.g. the port was taken
+        exit_code = 1
     return exit_code

@@ -149,7 +149,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def run_serve(ns: argparse.Namespace) -> None:
     """Run the server until SIGINT/SIGTERM; raises SystemExit(1) if the engine dies."""
     from pagellm.engine.async_llm import AsyncLLM
-    from pagellm.entrypoints.openai.api_server import build_app, serve_http
+    from pagellm.entrypoints.openai.api_server import build_app, listen_socket, serve_http
     from pagellm.entrypoints.openai.chat_tools import ChatToolOptions
     from pagellm.entrypoints.openai.serving_chat import load_chat_template
 
@@ -158,6 +158,7 @@ def run_serve(ns: argparse.Namespace) -> None:
     names = ns.served_model_name
     args = EngineArgs.from_cli_args(ns)  # served_model_name: the first of names
     engine = None
+    sock = None
     exit_code = 0
     try:
         try:
@@ -171,6 +172,12 @@ def run_serve(ns: argparse.Namespace) -> None:
             api_keys = load_api_keys(ns.api_key, ns.api_key_file, config.env.api_key)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        try:
+            sock = listen_socket(ns.host, ns.port)
+        except OSError as e:
+            print(f"error: cannot listen on --host {ns.host} --port {ns.port}: "
+                  f"{e.strerror or e}", file=sys.stderr)
             raise SystemExit(2) from None
         if api_keys is not None:
             logger.info("%s; prefix cache scope: %s.", api_keys.describe(),
@@ -186,13 +193,14 @@ def run_serve(ns: argparse.Namespace) -> None:
         if ns.host not in ("127.0.0.1", "localhost", "::1") and api_keys is None:
             logger.warning("Serving on %s without --api-key: anyone who can reach this port "
                            "can use the model.", ns.host)
-        exit_code = asyncio.run(serve_http(app, engine, ns.host, ns.port,
-                                           log_level=ns.uvicorn_log_level))
+        exit_code = asyncio.run(serve_http(app, engine, sock, log_level=ns.uvicorn_log_level))
     except KeyboardInterrupt:
         logger.info("Interrupted; shutting down.")
     finally:
         if engine is not None:
             engine.shutdown()
+        if sock is not None:
+            sock.close()
     if exit_code:
         raise SystemExit(exit_code)
 
