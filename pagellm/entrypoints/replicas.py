@@ -8,6 +8,7 @@ The first form starts the replicas itself (each on 127.0.0.1 and a free port, ea
 with its own KV cache; with ``--devices-per-replica K`` replica i sees GPUs iK..iK+K-1 through
 CUDA_VISIBLE_DEVICES, so ``-tp K`` works inside each), waits until every one answers /health,
 then starts vllm-router (``pip install 'pagellm[router]'``) in front of them and waits for it.
+A replica whose port another process takes before it listens starts again on a new port.
 The second form starts only the router, in front of servers that run elsewhere. Replicas share
 nothing, so scaling out is adding replicas; across machines use an orchestrator (deploy/ and
 docs/parallelism.md), which restarts a dead replica: this launcher does not, the router routes
@@ -22,14 +23,17 @@ environment). The body cap also goes to the router (--max-payload-size).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from pagellm.config import child_environ, read_env
@@ -43,12 +47,33 @@ from pagellm.entrypoints.replica_router import (
     die_with_parent,
     start_router,
 )
-from pagellm.worker.multiproc_executor import free_port
 
 logger = logging.getLogger("pagellm")
 
 # Launcher flags that each launched `pagellm serve` gets too.
 FORWARDED_FLAGS = ("--api-key", "--api-key-file", "--max-request-body-bytes")
+# Starts of one replica whose port another process took before it listened (free_port releases
+# the port it finds; `pagellm serve` listens before it loads the model).
+REPLICA_START_ATTEMPTS = 3
+
+
+def free_port() -> int:
+    """A TCP port free right now (another process may take it before the caller binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_taken(port: int) -> bool:
+    """Whether another socket listens on 127.0.0.1:port: a bind there fails (with
+    SO_REUSEADDR, as uvicorn binds, so closed connections in TIME_WAIT do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -106,7 +131,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         load_api_keys(ns.api_key, ns.api_key_file, read_env().api_key)  # refuse bad keys now
         ns.router = RouterOptions(
             policy=ns.policy, host=ns.host, port=ns.port,
-            metrics_port=ns.router_metrics_port or free_port(),
+            metrics_port=ns.router_metrics_port or 0,  # 0: a free port when it starts
             max_payload_bytes=ns.max_request_body_bytes, health_interval_s=ns.health_interval,
             startup_timeout_s=max(1, int(ns.startup_timeout)), log_level=ns.router_log_level,
             extra_args=shlex.split(ns.router_args))
@@ -125,24 +150,54 @@ def replica_serve_args(ns: argparse.Namespace, serve_args: list[str]) -> list[st
     return out + ["--max-request-body-bytes", str(ns.max_request_body_bytes)]
 
 
-def launch_replicas(n: int, serve_args: list[str], devices_per_replica: int | None
-                    ) -> list[tuple[str, subprocess.Popen]]:
-    """Start ``n`` `pagellm serve` processes (they log to this process's stdout/stderr)."""
-    out = []
-    for i in range(n):
-        port = free_port()
+@dataclasses.dataclass
+class ReplicaSet:
+    """The launched `pagellm serve` processes (they log to this process's stdout/stderr), by
+    name ("replica I"), and the URL each serves at."""
+    serve_args: list[str]
+    devices_per_replica: int | None = None
+    procs: dict[str, subprocess.Popen] = dataclasses.field(default_factory=dict)
+    urls: dict[str, str] = dataclasses.field(default_factory=dict)
+    starts: dict[str, int] = dataclasses.field(default_factory=dict)
+    indices: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def launch(self, i: int) -> None:
+        """Start replica ``i`` on 127.0.0.1 and a free port (again, if it ran before)."""
+        name, port = f"replica {i}", free_port()
         overrides: dict[str, str] = {}
-        if devices_per_replica:
-            first = i * devices_per_replica
+        if self.devices_per_replica:
+            first = i * self.devices_per_replica
             overrides["CUDA_VISIBLE_DEVICES"] = ",".join(
-                str(d) for d in range(first, first + devices_per_replica))
-        cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", *serve_args,
+                str(d) for d in range(first, first + self.devices_per_replica))
+        cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", *self.serve_args,
                "--host", "127.0.0.1", "--port", str(port)]
         # The replica dies with us, whatever kills us (no orphaned servers holding GPUs).
         proc = subprocess.Popen(cmd, env=child_environ(overrides), preexec_fn=die_with_parent)
-        logger.info("replica %d: pid %d on 127.0.0.1:%d", i, proc.pid, port)
-        out.append((f"http://127.0.0.1:{port}", proc))
-    return out
+        logger.info("%s: pid %d on 127.0.0.1:%d", name, proc.pid, port)
+        self.procs[name], self.urls[name] = proc, f"http://127.0.0.1:{port}"
+        self.starts[name] = self.starts.get(name, 0) + 1
+        self.indices[name] = i
+
+    def relaunch_if_port_lost(self, name: str) -> tuple[subprocess.Popen, str] | None:
+        """For wait_healthy: a replica that exited during start-up because another process
+        holds its port now starts again on a new one (up to REPLICA_START_ATTEMPTS starts);
+        its new process and health URL, or None (any other exit fails the start)."""
+        port = int(self.urls[name].rsplit(":", 1)[1])
+        if not port_taken(port) or self.starts[name] >= REPLICA_START_ATTEMPTS:
+            return None
+        logger.warning("%s: another process took port %d while it started; starting it again "
+                       "on a new port", name, port)
+        self.launch(self.indices[name])
+        return self.procs[name], f"{self.urls[name]}/health"
+
+
+def launch_replicas(n: int, serve_args: list[str], devices_per_replica: int | None
+                    ) -> ReplicaSet:
+    """Start ``n`` `pagellm serve` processes."""
+    replicas = ReplicaSet(serve_args, devices_per_replica)
+    for i in range(n):
+        replicas.launch(i)
+    return replicas
 
 
 def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
@@ -166,16 +221,22 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def wait_healthy(named: dict[str, subprocess.Popen], urls: dict[str, str],
-                 timeout_s: float) -> None:
-    """Until every ``urls[name]`` answers 200; fail if its process exits first."""
+def wait_healthy(named: dict[str, subprocess.Popen], urls: dict[str, str], timeout_s: float,
+                 restart: Callable[[str], tuple[subprocess.Popen, str] | None] | None = None
+                 ) -> None:
+    """Until every ``urls[name]`` answers 200; fail if its process exits first, unless
+    ``restart(name)`` starts it again (its new process and URL; it updates ``named``)."""
     deadline = time.monotonic() + timeout_s
     pending = dict(urls)
     while pending:
         for name in list(pending):
             proc = named[name]
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode} during start-up")
+                again = restart(name) if restart is not None else None
+                if again is None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode} during start-up")
+                pending[name] = again[1]
+                continue
             if http_ok(pending[name]):
                 logger.info("%s is up", name)
                 del pending[name]
@@ -215,21 +276,23 @@ def main(argv: list[str] | None = None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    procs: list[subprocess.Popen] = []  # the router first: it stops taking requests first
-    replicas: dict[str, subprocess.Popen] = {}
+    router: subprocess.Popen | None = None
+    replicas = ReplicaSet([])
     try:
         if ns.backend:
             urls = [url.rstrip("/") for url in ns.backend]
         else:
-            launched = launch_replicas(ns.data_parallel_size, replica_serve_args(ns, serve_args),
+            replicas = launch_replicas(ns.data_parallel_size,
+                                       replica_serve_args(ns, serve_args),
                                        ns.devices_per_replica)
-            urls = [url for url, _ in launched]
-            replicas = {f"replica {i} ({url})": proc for i, (url, proc) in enumerate(launched)}
-            procs += replicas.values()
-            wait_healthy(replicas, {name: f"{url}/health" for name, url in
-                                    zip(replicas, urls, strict=True)}, ns.startup_timeout)
-        router = start_router(urls, ns.router)
-        procs.insert(0, router)
+            wait_healthy(replicas.procs, {name: f"{url}/health"
+                                          for name, url in replicas.urls.items()},
+                         ns.startup_timeout, restart=replicas.relaunch_if_port_lost)
+            urls = list(replicas.urls.values())
+        # The router's metrics port, unless given, is picked now, not minutes earlier.
+        options = ns.router if ns.router.metrics_port else dataclasses.replace(
+            ns.router, metrics_port=free_port())
+        router = start_router(urls, options)
         # /readiness: 200 once the router serves with at least one healthy replica (its
         # /health is 503 while any replica is down, e.g. one of several --backend servers).
         wait_healthy({"vllm-router": router},
@@ -237,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
                      ns.startup_timeout)
         logger.info("Serving on http://%s:%d (policy %s, %d replicas).", ns.host, ns.port,
                     ns.policy, len(urls))
-        watch(router, replicas)
+        watch(router, {f"{name} ({replicas.urls[name]})": proc
+                       for name, proc in replicas.procs.items()})
     except KeyboardInterrupt:
         logger.info("Stopping.")
     except RuntimeError as e:
@@ -245,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the stop
-        stop_processes(procs)
+        # The router first: it stops taking requests first.
+        stop_processes(([router] if router is not None else []) + list(replicas.procs.values()))
 
 
 def _local(host: str) -> str:

@@ -17,7 +17,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -34,13 +33,6 @@ logger = logging.getLogger("pagellm")
 
 WORKER_STARTUP_TIMEOUT_S = 900.0  # loading a large checkpoint from a slow disk
 _SHUTDOWN_GRACE_S = 5.0
-
-
-def free_port() -> int:
-    """A TCP port free right now (another process may take it before the caller binds it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_threads_per_rank(tp_size: int) -> int:

@@ -9,6 +9,7 @@ import concurrent.futures
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import pytest
 from tp_utils import pid_alive
 
 from pagellm.entrypoints import replica_router, replicas
-from pagellm.worker.multiproc_executor import free_port
+from pagellm.entrypoints.replicas import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600.0
@@ -192,6 +193,55 @@ def test_sigterm_during_start_up_stops_the_replicas(tiny_model_dir) -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     assert not any(pid_alive(pid) for pid in children)
+
+
+def test_a_replica_whose_port_was_taken_starts_again_on_a_new_one(tiny_model_dir,
+                                                                   monkeypatch) -> None:
+    """free_port releases the port it finds; a process that takes it while the replica loads
+    makes the replica's bind fail: the launcher starts it again on a new port."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        ports = iter([taken])
+        monkeypatch.setattr(replicas, "free_port", lambda: next(ports, None) or free_port())
+        started = replicas.launch_replicas(1, [str(tiny_model_dir("llama")), *SERVE_FLAGS],
+                                           None)
+        try:
+            replicas.wait_healthy(started.procs, {n: f"{u}/health" for n, u in
+                                                  started.urls.items()}, START_TIMEOUT_S,
+                                  restart=started.relaunch_if_port_lost)
+            url = started.urls["replica 0"]
+            assert started.starts == {"replica 0": 2} and not url.endswith(f":{taken}")
+            assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        finally:
+            replicas.stop_processes(list(started.procs.values()))
+
+
+def test_a_replica_that_fails_otherwise_is_not_started_again() -> None:
+    started = replicas.launch_replicas(1, ["--no-such-flag"], None)
+    with pytest.raises(RuntimeError, match="replica 0 exited with 2 during start-up"):
+        replicas.wait_healthy(started.procs, {"replica 0": f"{started.urls['replica 0']}/health"},
+                              60, restart=started.relaunch_if_port_lost)
+    assert started.starts == {"replica 0": 1}
+
+
+def test_a_replica_starts_at_most_three_times(monkeypatch) -> None:
+    monkeypatch.setattr(replicas, "port_taken", lambda port: True)
+    started = replicas.launch_replicas(1, ["--no-such-flag"], None)
+    with pytest.raises(RuntimeError, match="replica 0 exited with 2 during start-up"):
+        replicas.wait_healthy(started.procs, {"replica 0": f"{started.urls['replica 0']}/health"},
+                              120, restart=started.relaunch_if_port_lost)
+    assert started.starts == {"replica 0": replicas.REPLICA_START_ATTEMPTS}
+
+
+def test_port_taken_sees_a_listener_only() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert replicas.port_taken(port)
+    assert not replicas.port_taken(port)
 
 
 def test_a_missing_router_names_the_fix(monkeypatch, caplog) -> None:
