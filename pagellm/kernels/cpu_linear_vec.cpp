@@ -10,7 +10,10 @@
 // per step, so each step is NR loads and MR broadcasts for MR * NR fused products and the
 // results are stored as they are, 16 outputs at once. Each thread takes its own panels of NR
 // blocks (its weights stream from memory once per 256 rows of x; a panel stays in L2 while every
-// row group of x runs past it). Sums are float32; outputs are rounded to the dtype once.
+// row group of x runs past it). Meanwhile the thread's next panel is prefetched into L2, each
+// row group a slice of it spread over its k steps: with a few row groups (decode batches of
+// 16-64 rows) the weights would otherwise arrive on demand from memory, the first row group
+// waiting on them. Sums are float32; outputs are rounded to the dtype once.
 //
 // With one or two rows of x (batch-1 decode, small batches) the product is the weight stream
 // and little else: there each thread reads its own contiguous range of blocks front to back,
@@ -33,10 +36,18 @@ constexpr int kMR = 8;  // rows of x per micro-kernel (the most: 8 x 3 accumulat
 constexpr int kNR = 3;  // blocks of 16 outputs per micro-kernel
 constexpr int64_t kRowChunk = 256;  // rows of x kept in L2 while the weight panels stream past
 
+// Cache lines to prefetch into L2 during one micro-kernel call, one per k step from `at`
+// (`step` bytes apart) until `end`.
+struct StepPrefetch {
+  const char* at = nullptr;
+  const char* end = nullptr;
+  int64_t step = 64;
+};
+
 // y rows [m0, m0 + MR) x outputs of blocks [nb, nb + NR).
 template <typename T, int MR, int NR>
 inline void micro(T* y, int64_t ldy, const T* x, int64_t lda, const T* wp, const T* bias,
-                  int64_t K, int64_t m0, int64_t nb) {
+                  int64_t K, int64_t m0, int64_t nb, StepPrefetch pf) {
   using Ops = VecOps<T>;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -45,6 +56,10 @@ inline void micro(T* y, int64_t ldy, const T* x, int64_t lda, const T* wp, const
   const T* w0 = wp + nb * block;
   const T* xr = x + m0 * lda;
   for (int64_t k = 0; k < K; k += Ops::kPer) {
+    if (pf.at < pf.end) {
+      __builtin_prefetch(pf.at, 0, 2);
+      pf.at += pf.step;
+    }
     __m512 wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = Ops::load(w0 + j * block + k * 16);
     for (int i = 0; i < MR; ++i) {
@@ -59,20 +74,37 @@ inline void micro(T* y, int64_t ldy, const T* x, int64_t lda, const T* wp, const
   }
 }
 
-// All rows of one chunk against NR blocks from nb: groups of kMR rows, then the leftover rows.
+// All rows of one chunk against NR blocks from nb: groups of kMR rows, then the leftover rows;
+// row group g prefetches slice g of the `next_elems` elements at `next` (none if null).
 template <typename T, int NR>
 void panel(T* y, int64_t ldy, const T* x, int64_t lda, const T* wp, const T* bias, int64_t K,
-           int64_t m0, int64_t m1, int64_t nb) {
-  int64_t m = m0;
-  for (; m + kMR <= m1; m += kMR) micro<T, kMR, NR>(y, ldy, x, lda, wp, bias, K, m, nb);
+           int64_t m0, int64_t m1, int64_t nb, const T* next, int64_t next_elems) {
+  const int64_t groups = (m1 - m0 + kMR - 1) / kMR;
+  const int64_t bytes = next == nullptr ? 0 : next_elems * static_cast<int64_t>(sizeof(T));
+  const int64_t slice = (bytes / std::max<int64_t>(groups, 1) + 63) / 64 * 64;
+  const int64_t steps = std::max<int64_t>(K / VecOps<T>::kPer, 1);
+  const char* base = reinterpret_cast<const char*>(next);
+  auto slice_of = [&](int64_t g) {
+    StepPrefetch pf;
+    if (bytes > 0) {
+      pf.at = base + std::min(bytes, g * slice);
+      pf.end = base + std::min(bytes, (g + 1) * slice);
+      pf.step = std::max<int64_t>(64, (slice / steps + 63) / 64 * 64);
+    }
+    return pf;
+  };
+  int64_t m = m0, g = 0;
+  for (; m + kMR <= m1; m += kMR, ++g)
+    micro<T, kMR, NR>(y, ldy, x, lda, wp, bias, K, m, nb, slice_of(g));
+  const StepPrefetch pf = slice_of(g);
   switch (m1 - m) {
-    case 7: micro<T, 7, NR>(y, ldy, x, lda, wp, bias, K, m, nb); break;
-    case 6: micro<T, 6, NR>(y, ldy, x, lda, wp, bias, K, m, nb); break;
-    case 5: micro<T, 5, NR>(y, ldy, x, lda, wp, bias, K, m, nb); break;
-    case 4: micro<T, 4, NR>(y, ldy, x, lda, wp, bias, K, m, nb); break;
-    case 3: micro<T, 3, NR>(y, ldy, x, lda, wp, bias, K, m, nb); break;
-    case 2: micro<T, 2, NR>(y, ldy, x, lda, wp, bias, K, m, nb); break;
-    case 1: micro<T, 1, NR>(y, ldy, x, lda, wp, bias, K, m, nb); break;
+    case 7: micro<T, 7, NR>(y, ldy, x, lda, wp, bias, K, m, nb, pf); break;
+    case 6: micro<T, 6, NR>(y, ldy, x, lda, wp, bias, K, m, nb, pf); break;
+    case 5: micro<T, 5, NR>(y, ldy, x, lda, wp, bias, K, m, nb, pf); break;
+    case 4: micro<T, 4, NR>(y, ldy, x, lda, wp, bias, K, m, nb, pf); break;
+    case 3: micro<T, 3, NR>(y, ldy, x, lda, wp, bias, K, m, nb, pf); break;
+    case 2: micro<T, 2, NR>(y, ldy, x, lda, wp, bias, K, m, nb, pf); break;
+    case 1: micro<T, 1, NR>(y, ldy, x, lda, wp, bias, K, m, nb, pf); break;
     default: break;
   }
 }
@@ -140,9 +172,13 @@ void gemm(T* y, int64_t ldy, const T* x, int64_t lda, const T* wp, const T* bias
       const int64_t me = std::min(M, mc + kRowChunk);
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t nb = p * kNR, nr = std::min<int64_t>(kNR, NB - nb);
-        if (nr == 3) panel<T, 3>(y, ldy, x, lda, wp, bias, K, mc, me, nb);
-        else if (nr == 2) panel<T, 2>(y, ldy, x, lda, wp, bias, K, mc, me, nb);
-        else panel<T, 1>(y, ldy, x, lda, wp, bias, K, mc, me, nb);
+        // This thread's next panel: its blocks follow this one's.
+        const int64_t next_nr = p + 1 < p1 ? std::min<int64_t>(kNR, NB - nb - kNR) : 0;
+        const T* next = next_nr > 0 ? wp + (nb + kNR) * K * 16 : nullptr;
+        const int64_t ne = next_nr * K * 16;
+        if (nr == 3) panel<T, 3>(y, ldy, x, lda, wp, bias, K, mc, me, nb, next, ne);
+        else if (nr == 2) panel<T, 2>(y, ldy, x, lda, wp, bias, K, mc, me, nb, next, ne);
+        else panel<T, 1>(y, ldy, x, lda, wp, bias, K, mc, me, nb, next, ne);
       }
     }
   }
