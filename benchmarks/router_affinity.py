@@ -33,6 +33,8 @@ from pathlib import Path
 
 import httpx
 
+from pagellm.entrypoints.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at "
          "which but have an they you were her she there been one all we their has would when if "
@@ -65,14 +67,6 @@ def build_workload(tenants: int, users_per_tenant: int, system_words: int,
            for t in range(tenants) for _ in range(users_per_tenant)]
     rng.shuffle(out)
     return out
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:

@@ -27,7 +27,6 @@ import dataclasses
 import logging
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from typing import Any
 from pagellm.config import child_environ, read_env
 from pagellm.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagellm.entrypoints.openai.tenancy import load_api_keys
+from pagellm.entrypoints.ports import free_port, port_taken
 from pagellm.entrypoints.replica_router import (
     ROUTER_POLICIES,
     RouterNotInstalledError,
@@ -55,25 +55,6 @@ FORWARDED_FLAGS = ("--api-key", "--api-key-file", "--max-request-body-bytes")
 # Starts of one replica whose port another process took before it listened (free_port releases
 # the port it finds; `pagellm serve` listens before it loads the model).
 REPLICA_START_ATTEMPTS = 3
-
-
-def free_port() -> int:
-    """A TCP port free right now (another process may take it before the caller binds it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_taken(port: int) -> bool:
-    """Whether another socket listens on 127.0.0.1:port: a bind there fails (with
-    SO_REUSEADDR, as uvicorn binds, so closed connections in TIME_WAIT do not count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -21,7 +21,7 @@ import pytest
 from tp_utils import pid_alive
 
 from pagellm.entrypoints import replica_router, replicas
-from pagellm.entrypoints.replicas import free_port
+from pagellm.entrypoints.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600.0

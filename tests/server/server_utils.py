@@ -6,7 +6,6 @@ import importlib.util
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,18 +14,14 @@ from pathlib import Path
 
 import httpx
 
+from pagellm.entrypoints.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 # The default model, small settings: 135M parameters, fp32 on the CPU.
 TINY_ARGS = ["--dtype", "float32", "--kv-cache-memory", "512MiB", "--max-model-len", "1024"]
 START_TIMEOUT_S = 600.0
 SERVE_MODULE = ("pagellm.entrypoints.openai.cli_serve",)
 PAGELLM_SERVE = ("pagellm.entrypoints.cli", "serve")  # the `pagellm serve` command itself
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_tiny_llama(tmp_path_factory, make_tiny_model, name: str, args: list[str],

@@ -301,24 +301,9 @@ def _add_sleep_routes(app: FastAPI, engine: AsyncLLM) -> None:
         return {"is_sleeping": await engine.is_sleeping()}
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A socket listening on host:port, opened before the engine loads (as vLLM does): a taken
-    port fails the start in a second, not after the model loaded, and no other process can
-    take the port meanwhile. Raises OSError."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 async def serve_http(app: FastAPI, engine: AsyncLLM, sock: socket.socket,
                      log_level: str = "info", **uvicorn_kwargs: Any) -> int:
-    """Run uvicorn on ``sock`` (listen_socket) until SIGINT/SIGTERM (exit code 0) or engine
+    """Run uvicorn on ``sock`` (ports.listen_socket) until SIGINT/SIGTERM (exit code 0) or engine
     death (exit code 1)."""
     host, port = sock.getsockname()[:2]
     # uvicorn logs no address for sockets it is handed.

@@ -14,6 +14,7 @@ from pagellm.entrypoints.openai import limits
 from pagellm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagellm.entrypoints.openai.tenancy import PREFIX_CACHE_SCOPES, load_api_keys
 from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagellm.entrypoints.ports import listen_socket
 
 logger = logging.getLogger("pagellm")
 
@@ -149,7 +150,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def run_serve(ns: argparse.Namespace) -> None:
     """Run the server until SIGINT/SIGTERM; raises SystemExit(1) if the engine dies."""
     from pagellm.engine.async_llm import AsyncLLM
-    from pagellm.entrypoints.openai.api_server import build_app, listen_socket, serve_http
+    from pagellm.entrypoints.openai.api_server import build_app, serve_http
     from pagellm.entrypoints.openai.chat_tools import ChatToolOptions
     from pagellm.entrypoints.openai.serving_chat import load_chat_template
 
@@ -174,6 +175,8 @@ def run_serve(ns: argparse.Namespace) -> None:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
         try:
+            # Before the engine loads (as vLLM does): a taken port fails the start at once,
+            # and no other process can take the port while the model loads.
             sock = listen_socket(ns.host, ns.port)
         except OSError as e:
             print(f"error: cannot listen on --host {ns.host} --port {ns.port}: "
