@@ -132,19 +132,40 @@ def replica_serve_args(ns: argparse.Namespace, serve_args: list[str]) -> list[st
 
 
 @dataclasses.dataclass
+class Replica:
+    """One launched `pagellm serve` process (it logs to this process's stdout/stderr)."""
+    index: int
+    port: int
+    proc: subprocess.Popen
+    starts: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"replica {self.index}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclasses.dataclass
 class ReplicaSet:
-    """The launched `pagellm serve` processes (they log to this process's stdout/stderr), by
-    name ("replica I"), and the URL each serves at."""
+    """The launched replicas, by name."""
     serve_args: list[str]
     devices_per_replica: int | None = None
-    procs: dict[str, subprocess.Popen] = dataclasses.field(default_factory=dict)
-    urls: dict[str, str] = dataclasses.field(default_factory=dict)
-    starts: dict[str, int] = dataclasses.field(default_factory=dict)
-    indices: dict[str, int] = dataclasses.field(default_factory=dict)
+    replicas: dict[str, Replica] = dataclasses.field(default_factory=dict)
 
-    def launch(self, i: int) -> None:
-        """Start replica ``i`` on 127.0.0.1 and a free port (again, if it ran before)."""
-        name, port = f"replica {i}", free_port()
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        return {name: r.proc for name, r in self.replicas.items()}
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {name: r.url for name, r in self.replicas.items()}
+
+    def launch(self, i: int, starts: int = 1) -> Replica:
+        """Start replica ``i`` on 127.0.0.1 and a free port (its ``starts``-th start)."""
+        port = free_port()
         overrides: dict[str, str] = {}
         if self.devices_per_replica:
             first = i * self.devices_per_replica
@@ -154,22 +175,22 @@ class ReplicaSet:
                "--host", "127.0.0.1", "--port", str(port)]
         # The replica dies with us, whatever kills us (no orphaned servers holding GPUs).
         proc = subprocess.Popen(cmd, env=child_environ(overrides), preexec_fn=die_with_parent)
-        logger.info("%s: pid %d on 127.0.0.1:%d", name, proc.pid, port)
-        self.procs[name], self.urls[name] = proc, f"http://127.0.0.1:{port}"
-        self.starts[name] = self.starts.get(name, 0) + 1
-        self.indices[name] = i
+        replica = Replica(i, port, proc, starts)
+        logger.info("%s: pid %d on 127.0.0.1:%d", replica.name, proc.pid, port)
+        self.replicas[replica.name] = replica
+        return replica
 
     def relaunch_if_port_lost(self, name: str) -> tuple[subprocess.Popen, str] | None:
         """For wait_healthy: a replica that exited during start-up because another process
         holds its port now starts again on a new one (up to REPLICA_START_ATTEMPTS starts);
         its new process and health URL, or None (any other exit fails the start)."""
-        port = int(self.urls[name].rsplit(":", 1)[1])
-        if not port_taken(port) or self.starts[name] >= REPLICA_START_ATTEMPTS:
+        old = self.replicas[name]
+        if not port_taken(old.port) or old.starts >= REPLICA_START_ATTEMPTS:
             return None
         logger.warning("%s: another process took port %d while it started; starting it again "
-                       "on a new port", name, port)
-        self.launch(self.indices[name])
-        return self.procs[name], f"{self.urls[name]}/health"
+                       "on a new port", name, old.port)
+        new = self.launch(old.index, old.starts + 1)
+        return new.proc, f"{new.url}/health"
 
 
 def launch_replicas(n: int, serve_args: list[str], devices_per_replica: int | None
@@ -206,9 +227,9 @@ def wait_healthy(named: dict[str, subprocess.Popen], urls: dict[str, str], timeo
                  restart: Callable[[str], tuple[subprocess.Popen, str] | None] | None = None
                  ) -> None:
     """Until every ``urls[name]`` answers 200; fail if its process exits first, unless
-    ``restart(name)`` starts it again (its new process and URL; it updates ``named``)."""
+    ``restart(name)`` starts it again (its new process and URL)."""
     deadline = time.monotonic() + timeout_s
-    pending = dict(urls)
+    named, pending = dict(named), dict(urls)
     while pending:
         for name in list(pending):
             proc = named[name]
@@ -216,7 +237,7 @@ def wait_healthy(named: dict[str, subprocess.Popen], urls: dict[str, str], timeo
                 again = restart(name) if restart is not None else None
                 if again is None:
                     raise RuntimeError(f"{name} exited with {proc.returncode} during start-up")
-                pending[name] = again[1]
+                named[name], pending[name] = again
                 continue
             if http_ok(pending[name]):
                 logger.info("%s is up", name)
