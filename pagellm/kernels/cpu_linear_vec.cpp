@@ -83,15 +83,11 @@ void panel(T* y, int64_t ldy, const T* x, int64_t lda, const T* wp, const T* bia
   const int64_t bytes = next == nullptr ? 0 : next_elems * static_cast<int64_t>(sizeof(T));
   const int64_t slice = (bytes / std::max<int64_t>(groups, 1) + 63) / 64 * 64;
   const int64_t steps = std::max<int64_t>(K / VecOps<T>::kPer, 1);
+  const int64_t step = std::max<int64_t>(64, (slice / steps + 63) / 64 * 64);
   const char* base = reinterpret_cast<const char*>(next);
-  auto slice_of = [&](int64_t g) {
-    StepPrefetch pf;
-    if (bytes > 0) {
-      pf.at = base + std::min(bytes, g * slice);
-      pf.end = base + std::min(bytes, (g + 1) * slice);
-      pf.step = std::max<int64_t>(64, (slice / steps + 63) / 64 * 64);
-    }
-    return pf;
+  auto slice_of = [&](int64_t g) {  // empty (at == end) where there is no next panel
+    return StepPrefetch{base + std::min(bytes, g * slice),
+                        base + std::min(bytes, (g + 1) * slice), step};
   };
   int64_t m = m0, g = 0;
   for (; m + kMR <= m1; m += kMR, ++g)
