@@ -8,7 +8,6 @@ from pagellm.entrypoints.openai.reasoning_parsers.reasoning_streamer import (
 )
 from pagellm.entrypoints.openai.reasoning_parsers.think_reasoning_parser import (
     DeepSeekR1ReasoningParser,
-    ParsedReasoning,
     Qwen3ReasoningParser,
     ThinkReasoningParser,
 )
@@ -24,5 +23,5 @@ def get_reasoning_parser(name: str) -> ThinkReasoningParser:
     return REASONING_PARSERS[name]()
 
 
-__all__ = ["REASONING_PARSERS", "ParsedReasoning", "ReasoningStreamer", "ThinkReasoningParser",
-           "extract_reasoning", "get_reasoning_parser"]
+__all__ = ["REASONING_PARSERS", "ReasoningStreamer", "ThinkReasoningParser", "extract_reasoning",
+           "get_reasoning_parser"]

@@ -6,6 +6,7 @@ from pagellm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ParsedCall,
     ParsedToolOutput,
     ToolParser,
+    ToolParseState,
 )
 from pagellm.entrypoints.openai.tool_parsers.hermes_tool_parser import HermesToolParser
 from pagellm.entrypoints.openai.tool_parsers.llama3_json_tool_parser import Llama3JsonToolParser
@@ -22,4 +23,5 @@ def get_tool_parser(name: str) -> ToolParser:
     return TOOL_PARSERS[name]()
 
 
-__all__ = ["TOOL_PARSERS", "ParsedCall", "ParsedToolOutput", "ToolParser", "get_tool_parser"]
+__all__ = ["TOOL_PARSERS", "ParsedCall", "ParsedToolOutput", "ToolParseState", "ToolParser",
+           "get_tool_parser"]

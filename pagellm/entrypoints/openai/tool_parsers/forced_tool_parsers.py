@@ -5,12 +5,29 @@ array of ``{"name": ..., "parameters": {...}}`` objects (vLLM's format)."""
 from __future__ import annotations
 
 from pagellm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    CallArray,
     ParsedCall,
-    ParsedToolOutput,
     ToolParser,
-    call_from_object,
+    ToolParseState,
 )
-from pagellm.entrypoints.openai.tool_parsers.partial_json import scan_object, skip_whitespace
+from pagellm.entrypoints.openai.tool_parsers.partial_json import next_char
+
+
+class _NamedFunctionState(ToolParseState):
+    def __init__(self, function_name: str) -> None:
+        super().__init__()
+        self.function_name = function_name
+        self.lead = 0  # the leading whitespace before it is read
+        self.start: int | None = None  # where the arguments start
+
+    def advance(self, final: bool) -> None:
+        text = self.text
+        if self.start is None:
+            self.lead, c = next_char(text, self.lead)
+            if c:
+                self.start = self.lead
+        start = len(text) if self.start is None else self.start
+        self.calls.append(ParsedCall(self.function_name, final, text, start, len(text)))
 
 
 class NamedFunctionParser(ToolParser):
@@ -21,9 +38,29 @@ class NamedFunctionParser(ToolParser):
     def __init__(self, function_name: str) -> None:
         self.function_name = function_name
 
-    def parse(self, text: str, final: bool) -> ParsedToolOutput:
-        start = skip_whitespace(text, 0)
-        return ParsedToolOutput("", [ParsedCall(self.function_name, text[start:], final)])
+    def new_state(self) -> ToolParseState:
+        return _NamedFunctionState(self.function_name)
+
+
+class _RequiredState(ToolParseState):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lead = 0  # the leading whitespace before it is read
+        self.array: CallArray | None = None
+
+    def advance(self, final: bool) -> None:
+        if self.array is None:
+            if not self.valid:  # the answer is not an array
+                return
+            self.lead, c = next_char(self.text, self.lead)
+            if c == "[":
+                self.array = CallArray(self, self.lead + 1)
+            else:
+                self.valid = bool(not c and not final)
+                return
+        array = self.array
+        array.advance()
+        self.valid = array.valid and (bool(self.calls) if array.closed else not final)
 
 
 class RequiredToolsParser(ToolParser):
@@ -31,27 +68,5 @@ class RequiredToolsParser(ToolParser):
 
     name = "required"
 
-    def parse(self, text: str, final: bool) -> ParsedToolOutput:
-        i = skip_whitespace(text, 0)
-        if i >= len(text):
-            return ParsedToolOutput("", [], valid=not final)
-        if text[i] != "[":
-            return ParsedToolOutput("", [], valid=False)
-        calls: list[ParsedCall] = []
-        i += 1
-        while True:
-            i = skip_whitespace(text, i)
-            if i >= len(text):
-                return ParsedToolOutput("", calls, valid=not final)
-            if text[i] == "]":
-                return ParsedToolOutput("", calls, valid=bool(calls))
-            if text[i] == "," and calls:
-                i += 1
-                continue
-            scan = scan_object(text, i)
-            if not scan.valid:
-                return ParsedToolOutput("", calls, valid=False)
-            calls.append(call_from_object(scan))
-            if scan.end is None:
-                return ParsedToolOutput("", calls, valid=not final)
-            i = scan.end
+    def new_state(self) -> ToolParseState:
+        return _RequiredState()

@@ -6,53 +6,88 @@ holds the tag is plain content, as in vLLM."""
 from __future__ import annotations
 
 from pagellm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
-    ParsedCall,
-    ParsedToolOutput,
     ToolParser,
+    ToolParseState,
     call_from_object,
 )
 from pagellm.entrypoints.openai.tool_parsers.partial_json import (
-    partial_marker_length,
-    scan_object,
-    skip_whitespace,
+    MarkerSearch,
+    ObjectScanner,
+    next_char,
 )
 
 PYTHON_TAG = "<|python_tag|>"
 
 
+class _Calls:
+    """``{...}`` objects separated by ``;`` from ``start`` on."""
+
+    def __init__(self, state: ToolParseState, start: int) -> None:
+        self.state = state
+        self.scan: ObjectScanner | None = ObjectScanner(state.text, start)
+        self.pos = start  # between objects: the text before it is read
+        self.valid = True  # once False, nothing more is read
+
+    def advance(self) -> None:
+        state = self.state
+        while self.valid:
+            if self.scan is not None:
+                scan = self.scan
+                scan.advance(len(state.text))
+                if scan.empty:
+                    return
+                if not scan.valid:
+                    self.valid = False
+                    return
+                if scan.end is None:
+                    state.calls.append(call_from_object(scan, len(state.text)))
+                    return
+                state.settle(call_from_object(scan, scan.end))
+                self.scan, self.pos = None, scan.end
+            self.pos, c = next_char(state.text, self.pos)
+            if not c:
+                return
+            if c != ";":
+                self.valid = False
+                return
+            self.scan = ObjectScanner(state.text, self.pos + 1)
+
+
+class _Llama3State(ToolParseState):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tag = MarkerSearch(self.text, PYTHON_TAG, 0)
+        self.lead = 0  # the leading whitespace before it is read
+        self.first = ""  # the first character that is not whitespace, once read
+        self.body: _Calls | None = None
+
+    def advance(self, final: bool) -> None:
+        text = self.text
+        tag_before = self.tag.found
+        tag = self.tag.find()
+        if tag is not None:
+            if tag_before is None:
+                # Content up to the tag, calls after it: any calls read so far were content.
+                self.reset_calls()
+                self.content_end = tag
+                self.body = _Calls(self, tag + len(PYTHON_TAG))
+        elif not self.first:
+            self.lead, self.first = next_char(text, self.lead)
+            if self.first == "{":
+                self.body = _Calls(self, self.lead)
+        if self.body is None:
+            if final:
+                self.content_end = len(text)
+            elif self.first:  # plain content, but for what may be the tag's start
+                self.content_end = len(text) - self.tag.held
+            # else only whitespace yet: a call may follow, nothing is shown
+            return
+        self.body.advance()
+        self.valid = self.body.valid and (not final or self.last_call_complete())
+
+
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
 
-    def parse(self, text: str, final: bool) -> ParsedToolOutput:
-        tag = text.find(PYTHON_TAG)
-        if tag >= 0:
-            content, body = text[:tag], text[tag + len(PYTHON_TAG):]
-        else:
-            first = skip_whitespace(text, 0)
-            if first < len(text) and text[first] == "{":
-                content, body = "", text
-            elif first >= len(text) and not final:
-                return ParsedToolOutput("")  # only whitespace yet: a call may follow
-            else:
-                held = 0 if final else partial_marker_length(text, PYTHON_TAG)
-                return ParsedToolOutput(text[:len(text) - held])
-        calls: list[ParsedCall] = []
-        valid = True
-        i = skip_whitespace(body, 0)
-        while i < len(body):
-            scan = scan_object(body, i)
-            if not scan.valid:
-                valid = False
-                break
-            calls.append(call_from_object(scan))
-            if scan.end is None:
-                break
-            i = skip_whitespace(body, scan.end)
-            if i < len(body):
-                if body[i] != ";":
-                    valid = False
-                    break
-                i = skip_whitespace(body, i + 1)
-        if final and (not calls or not calls[-1].complete):
-            valid = False
-        return ParsedToolOutput(content, calls, valid)
+    def new_state(self) -> ToolParseState:
+        return _Llama3State()

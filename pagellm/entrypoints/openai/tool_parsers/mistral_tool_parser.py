@@ -7,83 +7,124 @@ special tokens in the text."""
 from __future__ import annotations
 
 from pagellm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    CallArray,
     ParsedCall,
-    ParsedToolOutput,
     ToolParser,
-    call_from_object,
+    ToolParseState,
 )
 from pagellm.entrypoints.openai.tool_parsers.partial_json import (
-    partial_marker_length,
-    scan_object,
-    skip_whitespace,
-    value_end,
+    MarkerSearch,
+    ValueScanner,
+    next_char,
 )
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 
 
+class _NamedCalls:
+    """``name[ARGS]{...}`` segments, each running up to the next ``[TOOL_CALLS]``."""
+
+    def __init__(self, state: ToolParseState, start: int) -> None:
+        self.state = state
+        self.stopped = False  # a segment ended the calls: the rest is not read
+        self.valid = True
+        self._segment(start)
+
+    def _segment(self, start: int) -> None:
+        text = self.state.text
+        self.start = start
+        self.cut = MarkerSearch(text, TOOL_CALLS, start)  # the segment's end
+        self.args = MarkerSearch(text, ARGS, start)
+        self.name: str | None = None
+        self.value: ValueScanner | None = None  # once the name is read
+        self.pos = 0  # the value's text before it is read
+        self.after = False  # the value is complete: the segment's rest is dropped
+
+    def advance(self) -> None:
+        if self.stopped:
+            return
+        state, text = self.state, self.state.text
+        self.valid = True
+        while True:
+            cut = self.cut.find()
+            if self.after:
+                if cut is None:
+                    return
+                self._segment(cut + len(TOOL_CALLS))
+                continue
+            if self.value is None:
+                at = self.args.find()
+                if at is None or (cut is not None and cut < at):
+                    self.stopped = cut is not None  # a whole segment without [ARGS]
+                    return  # else the name is still being written (its end is [ARGS])
+                self.name = text[self.start:at].strip() or None
+                self.value, self.pos = ValueScanner(), at + len(ARGS)
+            # The value's scan stops short of what may be the next marker's start (a cut
+            # segment ends before it) and reads ahead on a copy.
+            end = len(text) if cut is None else cut
+            held = 0 if cut is not None else self.cut.held
+            self.pos = self.value.advance(text, self.pos, end - held)
+            value = self.value
+            if held:
+                value = value.copy()
+                value.advance(text, self.pos, end)
+            if value.start is None:
+                call = ParsedCall.of(self.name, "", False)
+            elif value.first != "{":
+                self.valid, self.stopped = False, cut is not None
+                return
+            else:
+                call = ParsedCall(self.name, value.end is not None, text, value.start,
+                                  end if value.end is None else value.end)
+            if value.end is not None and value is self.value:
+                state.settle(call)
+                self.after = True
+                continue
+            if cut is None:
+                state.calls.append(call)
+                return
+            state.settle(call)  # cut short: the calls end here
+            self.stopped = True
+            return
+
+
+class _MistralState(ToolParseState):
+    def __init__(self) -> None:
+        super().__init__()
+        self.start = MarkerSearch(self.text, TOOL_CALLS, 0)
+        self.body: int | None = None  # just past the first [TOOL_CALLS]
+        self.lead = 0  # the body's leading whitespace before it is read
+        self.reader: CallArray | _NamedCalls | None = None
+
+    def advance(self, final: bool) -> None:
+        text = self.text
+        if self.body is None:
+            start = self.start.find()
+            if start is None:  # a marker being written is never shown in part
+                self.content_end = len(text) - (0 if final else self.start.held)
+                return
+            self.content_end = start
+            self.body = self.lead = start + len(TOOL_CALLS)
+        if self.reader is None:
+            self.lead, c = next_char(text, self.lead)
+            if not c:
+                self.valid = not final
+                return
+            self.reader = (CallArray(self, self.lead + 1) if c == "["
+                           else _NamedCalls(self, self.body))
+        reader = self.reader
+        reader.advance()
+        if isinstance(reader, CallArray):
+            valid = reader.valid and (reader.space_after or not reader.closed)
+        else:
+            valid = reader.valid
+        self.valid = valid and (not final or self.last_call_complete())
+
+
 class MistralToolParser(ToolParser):
     name = "mistral"
     needs_special_tokens = True
 
-    def parse(self, text: str, final: bool) -> ParsedToolOutput:
-        start = text.find(TOOL_CALLS)
-        if start < 0:
-            held = 0 if final else partial_marker_length(text, TOOL_CALLS)
-            return ParsedToolOutput(text[:len(text) - held])
-        content, body = text[:start], text[start + len(TOOL_CALLS):]
-        i = skip_whitespace(body, 0)
-        if i >= len(body):
-            return ParsedToolOutput(content, [], valid=not final)
-        if body[i] == "[":
-            calls, valid = _json_array_calls(body, i + 1)
-        else:
-            calls, valid = _named_calls(body)
-        if final and (not calls or not calls[-1].complete):
-            valid = False
-        return ParsedToolOutput(content, calls, valid)
-
-
-def _json_array_calls(body: str, i: int) -> tuple[list[ParsedCall], bool]:
-    calls: list[ParsedCall] = []
-    while True:
-        i = skip_whitespace(body, i)
-        if i >= len(body):
-            return calls, True
-        if body[i] == "]":
-            return calls, i + 1 == len(body.rstrip())
-        if body[i] == "," and calls:
-            i += 1
-            continue
-        scan = scan_object(body, i)
-        if not scan.valid:
-            return calls, False
-        calls.append(call_from_object(scan))
-        if scan.end is None:
-            return calls, True
-        i = scan.end
-
-
-def _named_calls(body: str) -> tuple[list[ParsedCall], bool]:
-    """``name[ARGS]{...}`` segments, separated by further ``[TOOL_CALLS]`` markers."""
-    calls: list[ParsedCall] = []
-    for segment in body.split(TOOL_CALLS):
-        args_at = segment.find(ARGS)
-        if args_at < 0:
-            # The name is still being written (its end is the [ARGS] marker).
-            return calls, True
-        name = segment[:args_at].strip()
-        rest = segment[args_at + len(ARGS):]
-        i = skip_whitespace(rest, 0)
-        if i >= len(rest):
-            calls.append(ParsedCall(name or None, "", False))
-            return calls, True
-        if rest[i] != "{":
-            return calls, False
-        end = value_end(rest, i)
-        if end is None:
-            calls.append(ParsedCall(name or None, rest[i:], False))
-            return calls, True
-        calls.append(ParsedCall(name or None, rest[i:end], True))
-    return calls, True
+    def new_state(self) -> ToolParseState:
+        return _MistralState()

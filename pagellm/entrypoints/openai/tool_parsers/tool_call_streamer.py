@@ -1,7 +1,8 @@
-"""Streaming tool calls: each new piece of text is parsed with what came before, and only the
+"""Streaming tool calls: each new piece of text goes on the stream's parse, and only the
 difference is sent: content text, then for each call a first delta with its id, type and name,
 then fragments of its arguments. Joined, the fragments are the non-streaming answer's
-arguments."""
+arguments. A piece costs about its own length (no re-read of the text so far, no re-visit of
+the calls already sent), so a stream costs time linear in its length."""
 
 from __future__ import annotations
 
@@ -27,9 +28,8 @@ class ToolCallStreamer:
     """One choice's stream. ``max_calls`` 1: parallel_tool_calls false."""
 
     def __init__(self, parser: ToolParser, max_calls: int | None = None) -> None:
-        self.parser = parser
+        self.state = parser.new_state()
         self.max_calls = max_calls
-        self.text = ""
         self.num_content_chars = 0
         self.sent: list[_SentCall] = []
 
@@ -37,18 +37,26 @@ class ToolCallStreamer:
     def called(self) -> bool:
         return bool(self.sent)
 
+    @property
+    def scanned_chars(self) -> int:
+        """The characters of the text read so far, parsing and sending: the stream's work."""
+        return self.state.text.chars_read
+
     def feed(self, delta: str, final: bool) -> tuple[str, list[DeltaToolCall]]:
         """The content and the tool-call deltas that ``delta`` (and, when ``final``, the end
         of the text) adds."""
-        self.text += delta
-        parsed = self.parser.parse(self.text, final)
-        if final and not self.sent:
-            parsed = self.parser.parse_final(self.text)
-        content = parsed.content[self.num_content_chars:]
-        self.num_content_chars = max(self.num_content_chars, len(parsed.content))
+        state = self.state
+        state.feed(delta, final)
+        content_end, calls = state.content_end, state.calls
+        if final and not self.sent and not state.acceptable():
+            content_end, calls = len(state.text), []  # as parse_final: the text is content
+        content = state.text[self.num_content_chars:content_end]
+        self.num_content_chars = max(self.num_content_chars, content_end)
         deltas: list[DeltaToolCall] = []
-        calls = parsed.calls if self.max_calls is None else parsed.calls[:self.max_calls]
-        for index, call in enumerate(calls):
+        count = len(calls) if self.max_calls is None else min(len(calls), self.max_calls)
+        # A call that was sent and has not changed has nothing new to send.
+        for index in range(min(len(self.sent), state.unchanged), count):
+            call = calls[index]
             if index < len(self.sent):
                 sent = self.sent[index]
                 header = None
@@ -58,9 +66,10 @@ class ToolCallStreamer:
                 sent = _SentCall(tool_call_id())
                 self.sent.append(sent)
                 header = call.name
-            arguments = call.arguments if (call.streamable or call.complete) else ""
-            fragment = arguments[sent.num_argument_chars:]
-            sent.num_argument_chars = max(sent.num_argument_chars, len(arguments))
+            fragment = ""
+            if call.streamable or call.complete:
+                fragment = call.arguments_after(sent.num_argument_chars)
+                sent.num_argument_chars = max(sent.num_argument_chars, call.length)
             if header is not None:
                 deltas.append(DeltaToolCall(index=index, id=sent.id, type="function",
                                             function=DeltaFunctionCall(name=header,
