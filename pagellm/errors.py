@@ -38,3 +38,23 @@ class WorkerFailedError(RuntimeError):
 class EngineSleepingError(RuntimeError):
     """A request arrived while the engine sleeps (``sleep()``: its KV cache, maybe its weights,
     freed): call ``wake_up()`` first. The server answers it with 503."""
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update (``LLM.load_weights``, ``update_weights_from_disk``) failed on the
+    server's side: an error while weights were changing (a read error, a rank failing), after
+    the update had been checked (a ValueError refuses it before anything changes).
+
+    ``restored``: True when every rank serves the previous weights again (restored from the
+    update's backup, or never changed); False when they could not be restored and the engine
+    is out of service: every later request fails until it is restarted. The prefix cache was
+    reset whenever weights had changed. The message says which, and never holds the cause's
+    text (that goes to the server's log)."""
+
+    def __init__(self, message: str, restored: bool) -> None:
+        super().__init__(message)
+        self.restored = restored
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Crosses processes (tensor-parallel ranks, the engine core): keep ``restored``.
+        return type(self), (self.args[0], self.restored)

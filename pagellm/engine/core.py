@@ -18,7 +18,13 @@ from pagellm.config import EngineConfig
 from pagellm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.overlap import OverlappedSteps
-from pagellm.errors import EngineSleepingError, EngineStepsFailedError, WorkerFailedError
+from pagellm.errors import (
+    EngineDeadError,
+    EngineSleepingError,
+    EngineStepsFailedError,
+    WeightUpdateError,
+    WorkerFailedError,
+)
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import FinishReason, Request, RequestStatus
 from pagellm.structured_output.compiler import GrammarCompiler, grammar_compiler_for
@@ -64,6 +70,8 @@ class EngineCore:
         self.num_consecutive_step_failures = 0
         self.num_failed_steps = 0
         self.sleep_level = 0  # see sleep()
+        # Why the engine refuses every request (a weight update it could not undo), or None.
+        self.out_of_service: str | None = None
         if grammar_compiler is None:
             grammar_compiler = grammar_compiler_for(
                 config, lambda: _load_tokenizer(config), eos_token_id)
@@ -74,6 +82,8 @@ class EngineCore:
         logger.info("Engine ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: Request) -> None:
+        if self.out_of_service is not None:
+            raise EngineDeadError(self.out_of_service)
         if self.sleep_level:
             raise EngineSleepingError("The engine is sleeping (its KV cache is freed): call "
                                       "wake_up() before sending requests.")
@@ -217,31 +227,115 @@ class EngineCore:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Update the model's weights on every rank, between steps with no request unfinished
         (their K/V would mix the two models), then forget the prefix cache: no K/V computed
-        with the old weights is reused. Returns how many tensors were loaded."""
+        with the old weights is reused. Returns how many tensors were loaded.
+
+        All or nothing: ValueError (nothing changed) for a name, dtype or shape the model does
+        not take, every tensor checked before the first is copied; WeightUpdateError when it
+        failed after weights began to change (see ``_update``)."""
+        self._check_in_service()
         if self.scheduler.has_unfinished_requests():
             raise RuntimeError("load_weights needs an idle engine: requests are still running")
         self.drain()
         # CPU copies for the other ranks' processes (pickled through the broadcast).
         tp = self.config.parallel.tensor_parallel_size > 1
-        batch = [(name, t.detach().cpu() if tp else t.detach()) for name, t in weights]
-        return self._update(lambda: self.executor.collective_rpc("load_weights", (batch,)))
+        batch = []
+        for item in weights:
+            if not (isinstance(item, tuple | list) and len(item) == 2
+                    and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
+                raise ValueError("load_weights takes (name, tensor) pairs")
+            name, t = item
+            batch.append((name, t.detach().cpu() if tp else t.detach()))
+        return self._update(lambda: self.executor.collective_rpc("stage_weights", (batch,)))
 
     def update_weights_from_disk(self, model_path: str) -> int:
         """``load_weights`` from a safetensors checkpoint of the same architecture (ValueError
-        naming model_path for anything else); each rank reads the files itself."""
+        naming model_path for anything else, or for a tensor the model does not take: checked
+        from the files' headers before any data is read); each rank reads the files itself."""
         from pagellm.worker.weight_update import check_same_architecture, load_checkpoint
 
+        self._check_in_service()
         files = check_same_architecture(self.config.model.hf_config, model_path)
         if self.scheduler.has_unfinished_requests():
             raise RuntimeError("update_weights_from_disk needs an idle engine")
         self.drain()
-        return self._update(lambda: self.executor.collective_rpc(load_checkpoint, (files,)))
+        return self._update(
+            lambda: self.executor.collective_rpc(load_checkpoint, (files, model_path)))
 
-    def _update(self, load: Callable[[], list[int]]) -> int:
-        counts = load()
+    def _check_in_service(self) -> None:
+        if self.out_of_service is not None:
+            raise EngineDeadError(self.out_of_service)
+
+    def _update(self, stage: Callable[[], list[int]]) -> int:
+        """Stage an update on every rank, then commit it on all or roll it back on all (one
+        rank's failure undoes the others' loads). Raises ValueError when it was refused and no
+        rank changed anything; otherwise WeightUpdateError: ``restored`` (every rank back on
+        the previous weights) or not (the engine goes out of service: every later request
+        fails). The prefix cache is reset after every update that changed weights, whether it
+        succeeded or was undone."""
+        try:
+            counts = stage()
+        except WorkerFailedError as e:  # a rank died: its weights are unknown
+            raise self._go_out_of_service("a tensor-parallel worker failed during a weight "
+                                          "update") from e
+        except Exception as e:
+            error = self._undo_update(e)
+            if error is e:
+                raise
+            raise error from e
+        try:
+            self.executor.collective_rpc("end_weight_update", (True,))
+        except Exception as e:  # committing only drops backups: a rank died
+            raise self._go_out_of_service("committing a weight update failed") from e
         if not self.scheduler.reset_prefix_cache():
-            raise RuntimeError("the prefix cache could not be reset after a weight update")
+            raise self._go_out_of_service("the prefix cache could not be reset after a weight "
+                                          "update")
         return counts[0]
+
+    def _undo_update(self, error: Exception) -> Exception:
+        """Roll every rank back after ``error`` (the first failing rank's); returns what to
+        raise: ``error`` itself when it is a ValueError (a refused update) and no rank is left
+        changed, else a WeightUpdateError (no cause text: the cause is logged)."""
+        try:
+            states = self.executor.collective_rpc("end_weight_update", (False,))
+        except Exception as e:
+            logger.critical("Rolling back a failed weight update failed: %s: %s",
+                            type(e).__name__, e, exc_info=e)
+            states = ["broken"]
+        if all(s == "unchanged" for s in states):
+            if isinstance(error, ValueError):
+                return error  # refused before anything changed: the caller's own problem
+            logger.error("Weight update failed before any weight changed: %s: %s",
+                         type(error).__name__, error, exc_info=error)
+            return WeightUpdateError("The weight update failed before any weight changed (the "
+                                     "cause is in the server's log); the engine serves the "
+                                     "previous weights.", restored=True)
+        if "broken" in states:
+            return self._go_out_of_service("a failed weight update could not be undone")
+        if not self.scheduler.reset_prefix_cache():  # idle: cannot fail, yet never serve stale K/V
+            return self._go_out_of_service("the prefix cache could not be reset after a failed "
+                                           "weight update")
+        logger.warning("Weight update failed (%s: %s); every rank's previous weights were "
+                       "restored (rank states: %s) and the prefix cache reset",
+                       type(error).__name__, error, ", ".join(states))
+        if isinstance(error, ValueError):
+            return error  # refused by a rank while another loaded: undone, nothing changed
+        return WeightUpdateError("The weight update failed (the cause is in the server's log); "
+                                 "the previous weights were restored and the engine serves "
+                                 "them.", restored=True)
+
+    def _go_out_of_service(self, reason: str) -> WeightUpdateError:
+        """Refuse every request from now on (the weights may be a mix of two models); returns
+        the error the update raises."""
+        self.out_of_service = (f"The engine is out of service: {reason} and its weights may be "
+                               "inconsistent; restart it.")
+        logger.critical("%s", self.out_of_service)
+        try:
+            self.scheduler.reset_prefix_cache()
+        except Exception:  # best effort: no request is admitted any more anyway
+            logger.exception("Resetting the prefix cache failed")
+        return WeightUpdateError("The weight update failed and the previous weights could not "
+                                 "be restored: the engine is out of service (every request "
+                                 "fails until it is restarted).", restored=False)
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1) and the weights (level 2) on every rank, with no request

@@ -107,6 +107,9 @@ class ModelRunner:
         self.num_blocks = 0
         self.graph_runner: GraphRunner | None = None  # decode CUDA graphs (initialize_kv_cache)
         self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 KV cache and weights freed
+        # A weight update staged and not yet committed or rolled back (stage_weights).
+        self._weight_backup: Any = None
+        self._weight_update_status = "unchanged"
 
     def load_model(self) -> torch.nn.Module:
         """The model from its checkpoint, in the layouts the kernels read (start-up and
@@ -334,13 +337,55 @@ class ModelRunner:
                                  prompt_logprobs=prompt_logprobs, spec_token_ids=spec_token_ids)
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        """Replace some or all weights in place (``LLM.load_weights``); between steps only."""
-        from pagellm.worker.weight_update import update_weights
-
-        n = update_weights(self.model, weights)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the next step reads them
+        """Replace some or all weights in place, all or nothing on this rank; between steps only.
+        Raises ValueError (refused, nothing changed) or WeightUpdateError (see stage_update in
+        worker/weight_update.py). The engine uses stage_weights/end_weight_update instead, to
+        commit or roll back every rank's update together."""
+        n = self.stage_weights(weights)
+        self.end_weight_update(commit=True)
         return n
+
+    def stage_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """The update loaded, its backup kept (memory: one copy of the parameters it touches)
+        until ``end_weight_update``; raises as ``load_weights`` does, this rank's state then
+        restored (or broken) already."""
+        from pagellm.errors import WeightUpdateError
+        from pagellm.worker.weight_update import stage_update
+
+        self.end_weight_update(commit=True)  # one left over (a direct collective_rpc): keep it
+        try:
+            n, self._weight_backup = stage_update(self.model, weights)
+        except WeightUpdateError as e:
+            self._weight_update_status = "restored" if e.restored else "broken"
+            raise
+        finally:
+            self._sync()  # the next step reads them
+        self._weight_update_status = "staged"
+        return n
+
+    def end_weight_update(self, commit: bool) -> str:
+        """Finish the update ``stage_weights`` began: commit (drop the backup) or roll it back.
+        Returns this rank's state: "committed", "restored" (the previous weights again),
+        "broken" (they could not be restored) or "unchanged" (nothing was staged or changed)."""
+        backup, self._weight_backup = self._weight_backup, None
+        status, self._weight_update_status = self._weight_update_status, "unchanged"
+        if backup is None:
+            return status  # failed here (restored or broken already), or nothing staged
+        if commit:
+            return "committed"
+        try:
+            backup.restore()
+            self._sync()
+        except Exception as e:
+            logger.critical("tp rank %d: restoring the weights of an update another rank failed "
+                            "did not work (%s: %s)", self.tp_rank, type(e).__name__, e,
+                            exc_info=e)
+            return "broken"
+        return "restored"
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _forward(self, inputs: PreparedInputs) -> torch.Tensor:
         """Hidden states of the step's tokens: a replayed CUDA graph for a decode step that fits
