@@ -18,14 +18,30 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pagellm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagellm.errors import WorkerFailedError
 
 if TYPE_CHECKING:
-    from pagellm.engine.core import EngineCore
-    from pagellm.worker.executor import StepFuture
+    from pagellm.core.scheduler import Scheduler
+    from pagellm.worker.executor import Executor, StepFuture
+
+
+class StepHost(Protocol):
+    """What the overlapped steps need of their engine (EngineCore provides it): its scheduler
+    and executor, the step counters, and how a failed step's requests are finished."""
+
+    scheduler: Scheduler
+    executor: Executor
+    num_consecutive_step_failures: int
+
+    def num_prefill_tokens(self, so: SchedulerOutput) -> int: ...
+
+    def count(self, num_prefill: int, outputs: list[EngineCoreOutput]) -> None: ...
+
+    def fail_step(self, sched_output: SchedulerOutput, error: Exception,
+                  later: SchedulerOutput | None = None) -> list[EngineCoreOutput]: ...
 
 
 @dataclass(slots=True)
@@ -41,7 +57,7 @@ class OverlappedSteps:
     """One engine's step in flight, and outputs of a step processed between steps (``drain``),
     which the next ``EngineCore.step`` sends."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: StepHost) -> None:
         self.core = core
         self.in_flight: InFlightStep | None = None
         self._drained: list[EngineCoreOutput] = []
