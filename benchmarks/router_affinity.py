@@ -166,9 +166,10 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     ns = p.parse_args(argv)
     workload = build_workload(ns.tenants, ns.users_per_tenant, ns.system_words, ns.seed)
+    # --enable-admin-routes: the replicas have no keys, and /reset_prefix_cache is an admin route.
     serve = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", "--enable-prefix-caching",
              "--num-gpu-blocks-override", str(ns.kv_blocks), "--max-model-len", "1024",
-             *serve_extra]
+             "--enable-admin-routes", *serve_extra]
     ports = [free_port() for _ in range(2)]
     replicas = [subprocess.Popen([*serve, "--port", str(port)], cwd=REPO) for port in ports]
     workers = [f"http://127.0.0.1:{port}" for port in ports]

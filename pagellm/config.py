@@ -58,6 +58,7 @@ class EnvSettings:
     fault_inject: str = ""  # PAGELLM_FAULT_INJECT (tests only; see engine/fault_injection.py)
     triton_interpret: bool = False  # TRITON_INTERPRET=1: Triton kernels on the CPU (tests)
     api_key: str | None = None  # PAGELLM_API_KEY
+    admin_api_key: str | None = None  # PAGELLM_ADMIN_API_KEY
     openai_api_key: str | None = None  # OPENAI_API_KEY (`pagellm bench serve`'s fallback)
 
 
@@ -83,13 +84,21 @@ def read_env(environ: Any = None) -> EnvSettings:
         fault_inject=env.get("PAGELLM_FAULT_INJECT", "").strip(),
         triton_interpret=env.get("TRITON_INTERPRET", "0") == "1",
         api_key=env.get("PAGELLM_API_KEY") or None,
+        admin_api_key=env.get("PAGELLM_ADMIN_API_KEY") or None,
         openai_api_key=env.get("OPENAI_API_KEY") or None,
     )
 
 
-def child_environ(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment with ``overrides``, for a child process (a replica)."""
-    return {**os.environ, **(overrides or {})}
+# The variables that hold API keys (EnvSettings.api_key, .admin_api_key).
+API_KEY_ENV_VARS = ("PAGELLM_API_KEY", "PAGELLM_ADMIN_API_KEY")
+
+
+def child_environ(overrides: Mapping[str, str] | None = None, without: tuple[str, ...] = ()
+                  ) -> dict[str, str]:
+    """This process's environment with ``overrides`` and less ``without``, for a child process
+    (a replica)."""
+    env = {k: v for k, v in os.environ.items() if k not in without}
+    return {**env, **(overrides or {})}
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -17,6 +18,9 @@ SampleLogprobs = list[dict[int, Logprob]]
 # One entry per prompt token: None for the first (nothing precedes it), then token id -> Logprob
 # (the prompt token itself plus the top-N), as vLLM's.
 PromptLogprobs = list[dict[int, Logprob] | None]
+# The same as the engine scored it, one ``core.sched_output.Logprobs`` record per prompt token
+# (None first): what AsyncLLM's outputs carry, for the server to shape off its event loop.
+RawPromptLogprobs = list[Any]
 
 
 @dataclass
@@ -42,5 +46,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
-    # With SamplingParams.prompt_logprobs: one entry per prompt token (see PromptLogprobs).
-    prompt_logprobs: PromptLogprobs | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (see PromptLogprobs;
+    # RawPromptLogprobs from AsyncLLM).
+    prompt_logprobs: PromptLogprobs | RawPromptLogprobs | None = None

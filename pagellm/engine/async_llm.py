@@ -32,6 +32,7 @@ from pagellm.metrics.stats import SchedulerStats
 from pagellm.outputs import RequestOutput
 from pagellm.request import FinishReason, RequestStatus
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_output.compile_pool import GrammarCompilePool
 
 logger = logging.getLogger("pagellm")
 
@@ -99,7 +100,11 @@ class AsyncLLM:
         self.log_requests = log_requests
         self.max_log_len = max_log_len
         self.input_processor = InputProcessor(config, tokenizer, eos_token_id)
-        self.output_processor = OutputProcessor(tokenizer)
+        # The server compiles grammars here, off the event loop, before add_request.
+        self.grammar_pool = GrammarCompilePool(self.input_processor.grammar_compiler)
+        # Prompt logprobs (up to ~100k entries a request) are shaped and decoded by the
+        # server, off the event loop this runs on.
+        self.output_processor = OutputProcessor(tokenizer, raw_prompt_logprobs=True)
         self.request_stats = RequestStatsTracker()
         spec = config.speculative_config
         self.prometheus = PrometheusStatLogger(
@@ -174,6 +179,7 @@ class AsyncLLM:
         self._closing = True
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self.core.proc.sentinel)
+        self.grammar_pool.shutdown()
         self.core.shutdown()
 
     def _on_engine_exit(self) -> None:
@@ -183,6 +189,11 @@ class AsyncLLM:
             self.core.proc.join(1.0)  # the sentinel can fire just before the exit status is in
             self._set_dead(f"The engine core process exited (exit code "
                            f"{self.core.proc.exitcode}).")
+
+    def take_out_of_service(self, reason: str) -> None:
+        """The engine can no longer serve correctly (a weight update that could not be undone):
+        fail every request from now on, as if it had died (the server then stops)."""
+        self._set_dead(f"The engine is out of service: {reason}")
 
     def _set_dead(self, message: str) -> None:
         if self.dead_error is not None:
@@ -212,9 +223,11 @@ class AsyncLLM:
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     kind: OutputKind = OutputKind.DELTA, arrival_time: float | None = None,
-                    priority: int = 0) -> RequestStream:
+                    priority: int = 0, grammar_compiled: bool = False) -> RequestStream:
         """Validate, tokenize and send one prompt to the engine (raises ValueError for bad
-        input, EngineDeadError when the engine is gone); returns its output stream."""
+        input, EngineDeadError when the engine is gone); returns its output stream.
+        ``grammar_compiled``: ``grammar_pool.compile`` has compiled the request's spec (for its
+        cache_salt), so it is not compiled again here, on the event loop."""
         if self.dead_error is not None:
             raise self.dead_error
         if self._sleeping:
@@ -224,7 +237,8 @@ class AsyncLLM:
         if request_id in self.output_processor.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         processed, children = self.input_processor.process(request_id, prompt, params,
-                                                           arrival_time, priority)
+                                                           arrival_time, priority,
+                                                           grammar_compiled)
         queue: asyncio.Queue = asyncio.Queue()
         ids = processed.prompt_token_ids
         self.output_processor.add_request(

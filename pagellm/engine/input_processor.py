@@ -38,8 +38,9 @@ class InputProcessor:
         self.vocab_size = config.model.vocab_size
         # generation_config.json's EOS ids (a fake config in tests may have none)
         self.generation_config = getattr(config.model, "generation_config", None)
-        # Structured outputs: each spec compiles (cached) when its request is added, so a bad
-        # schema, regex or grammar is a ValueError before anything is queued.
+        # Structured outputs: each spec compiles (cached per cache namespace) when its request
+        # is added, or before (the server's grammar pool), so a bad schema, regex or grammar is
+        # a ValueError before anything is queued.
         self.grammar_compiler = grammar_compiler_for(config, lambda: tokenizer, eos_token_id)
 
     def tokenize(self, prompt: PromptType) -> ProcessedPrompt:
@@ -80,15 +81,17 @@ class InputProcessor:
                 "for the output. Shorten the prompt or raise --max-model-len.")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                arrival_time: float | None = None, priority: int = 0
-                ) -> tuple[ProcessedPrompt, list[Request]]:
-        """Tokenize and validate one prompt; returns it and its n child Requests."""
+                arrival_time: float | None = None, priority: int = 0,
+                grammar_compiled: bool = False) -> tuple[ProcessedPrompt, list[Request]]:
+        """Tokenize and validate one prompt; returns it and its n child Requests.
+        ``grammar_compiled``: the caller compiled the spec with ``grammar_compiler`` already
+        (off the event loop), so it is known to compile."""
         processed = self.tokenize(prompt)
         ids = processed.prompt_token_ids
         self.validate(ids)
         validate_token_ids(params, self.vocab_size)
-        if params.structured_outputs is not None:
-            self.grammar_compiler.compile(params.structured_outputs)
+        if params.structured_outputs is not None and not grammar_compiled:
+            self.grammar_compiler.compile(params.structured_outputs, processed.cache_salt)
         # Every EOS id of generation_config.json stops, not only the tokenizer's (Llama 3.1).
         params = extra_stop_ids(params, self.generation_config, self.eos_token_id)
         room = self.max_model_len - len(ids)

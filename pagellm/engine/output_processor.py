@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.core.sched_output import EngineCoreOutput, Logprobs, PromptLogprobs
 from pagellm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, decode_token
-from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.outputs import CompletionOutput, Logprob, RawPromptLogprobs, RequestOutput
 from pagellm.outputs import PromptLogprobs as PromptLogprobList
 from pagellm.request import FinishReason
 from pagellm.sampling_params import SamplingParams
@@ -53,7 +54,7 @@ class RequestState:
     num_unfinished: int = 0
     # params.prompt_logprobs: filled by position as the prefill chunks are scored (a chunk
     # scored again after a preemption overwrites the same values); DELTA sends it once.
-    prompt_logprobs: PromptLogprobList | None = None
+    prompt_logprobs: PromptLogprobList | RawPromptLogprobs | None = None
     prompt_logprobs_sent: bool = False
 
     @property
@@ -72,8 +73,12 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, raw_prompt_logprobs: bool = False) -> None:
+        """``raw_prompt_logprobs``: prompt logprobs stay the engine's ``Logprobs`` records
+        (RawPromptLogprobs), which the server turns into entries off its event loop
+        (prompt_logprobs.prompt_logprob_entries_of): up to ~100k entries a request."""
         self.tokenizer = tokenizer
+        self.raw_prompt_logprobs = raw_prompt_logprobs
         self.requests: dict[str, RequestState] = {}
         self._parent_of: dict[str, str] = {}
 
@@ -212,6 +217,9 @@ class OutputProcessor:
     def _add_prompt_logprobs(self, state: RequestState, chunk: PromptLogprobs) -> None:
         if state.prompt_logprobs is None:
             return
+        if self.raw_prompt_logprobs:
+            state.prompt_logprobs[chunk.start:chunk.start + len(chunk.records)] = chunk.records
+            return
         tok = self.tokenizer if state.params.detokenize else None
         for pos, rec in enumerate(chunk.records, start=chunk.start):
             state.prompt_logprobs[pos] = _logprob_entry(tok, rec)
@@ -258,13 +266,18 @@ class OutputProcessor:
 
 
 def _logprob_entry(tokenizer: Any, rec: Logprobs) -> dict[int, Logprob]:
-    """One token's logprobs as vLLM shapes them: the token itself first, then the top-N."""
+    return logprob_entry(rec, lambda tid: _decode(tokenizer, tid))
+
+
+def logprob_entry(rec: Logprobs, decode: Callable[[int], str | None]) -> dict[int, Logprob]:
+    """One token's logprobs as vLLM shapes them: the token itself first, then the top-N
+    (``decode``: a token id's text, or None)."""
     entry = {rec.sampled_token_id: Logprob(rec.sampled_logprob, rec.sampled_rank,
-                                           _decode(tokenizer, rec.sampled_token_id))}
+                                           decode(rec.sampled_token_id))}
     for rank, (tid, lp) in enumerate(zip(rec.top_token_ids, rec.top_logprobs, strict=True),
                                      start=1):
         if tid not in entry:
-            entry[tid] = Logprob(lp, rank, _decode(tokenizer, tid))
+            entry[tid] = Logprob(lp, rank, decode(tid))
     return entry
 
 

@@ -15,6 +15,9 @@ worker, and what pagellm answers (docs/parallelism.md has the details):
   stats``, and refuses a chat ``logprobs: null`` itself (422, plain text).
 
 The router checks no client key: each replica enforces ``--api-key`` and the body cap itself.
+Its management API (``/add_worker``, ``/remove_worker``, ``/list_workers``, ``/flush_cache``,
+``/workers/...``) answers anyone, whatever its ``--api-key`` (that key is only sent to workers):
+the launcher binds it to 127.0.0.1 and puts router_gate.py on the client-facing port.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class RouterOptions:
     policy: str = "cache_aware"
     host: str = "127.0.0.1"
     port: int = 8000
-    metrics_port: int = 29000  # the router's own Prometheus endpoint
+    metrics_host: str = "127.0.0.1"  # the router's own Prometheus endpoint (read-only)
+    metrics_port: int = 29000
     max_payload_bytes: int = 8 * 2**20
     health_interval_s: int = 5  # between the router's checks of each worker's /health
     load_poll_interval_s: int = 1  # power_of_two polls /get_load this often
@@ -82,7 +86,7 @@ def router_command(worker_urls: list[str], opts: RouterOptions) -> list[str]:
             "--worker-urls", *worker_urls,
             "--policy", opts.policy,
             "--host", opts.host, "--port", str(opts.port),
-            "--prometheus-host", opts.host, "--prometheus-port", str(opts.metrics_port),
+            "--prometheus-host", opts.metrics_host, "--prometheus-port", str(opts.metrics_port),
             "--max-payload-size", str(opts.max_payload_bytes),
             "--health-check-interval-secs", str(opts.health_interval_s),
             # Also the period of power_of_two's /get_load polling (vllm-router reuses it).

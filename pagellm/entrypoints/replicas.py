@@ -8,16 +8,20 @@ The first form starts the replicas itself (each on 127.0.0.1 and a free port, ea
 with its own KV cache; with ``--devices-per-replica K`` replica i sees GPUs iK..iK+K-1 through
 CUDA_VISIBLE_DEVICES, so ``-tp K`` works inside each), waits until every one answers /health,
 then starts vllm-router (``pip install 'pagellm[router]'``) in front of them and waits for it.
+The router listens on 127.0.0.1 only: its management API (/add_worker, /list_workers, ...) is
+open to anyone who reaches it, so clients reach it through the router gate (router_gate.py) on
+--host/--port, which forwards /v1/* and the health probes and nothing else.
 A replica whose port another process takes before it listens starts again on a new port.
 The second form starts only the router, in front of servers that run elsewhere. Replicas share
 nothing, so scaling out is adding replicas; across machines use an orchestrator (deploy/ and
 docs/parallelism.md), which restarts a dead replica: this launcher does not, the router routes
 around it.
 
-The router checks no client key and no body: the launcher passes --api-key, --api-key-file and
---max-request-body-bytes to each replica it starts, and each replica enforces them (the router
-forwards the client's Authorization header; PAGELLM_API_KEY reaches the replicas through the
-environment). The body cap also goes to the router (--max-payload-size).
+The router checks no client key and no body: the launcher hands its keys (--api-key,
+--admin-api-key, --api-key-file, PAGELLM_API_KEY, PAGELLM_ADMIN_API_KEY) to each replica it starts
+in a file only this user can read (never on a command line: ``ps`` shows those to every user)
+and passes --max-request-body-bytes; each replica enforces them (the router forwards the
+client's Authorization header). The body cap also goes to the gate and the router.
 """
 
 from __future__ import annotations
@@ -25,19 +29,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from pagellm.config import child_environ, read_env
+from pagellm.config import API_KEY_ENV_VARS, child_environ, read_env
 from pagellm.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
-from pagellm.entrypoints.openai.tenancy import load_api_keys
+from pagellm.entrypoints.openai.tenancy import load_api_keys, write_api_key_file
 from pagellm.entrypoints.ports import free_port, port_taken
 from pagellm.entrypoints.replica_router import (
     ROUTER_POLICIES,
@@ -50,8 +56,9 @@ from pagellm.entrypoints.replica_router import (
 
 logger = logging.getLogger("pagellm")
 
-# Launcher flags that each launched `pagellm serve` gets too.
-FORWARDED_FLAGS = ("--api-key", "--api-key-file", "--max-request-body-bytes")
+# Launcher flags that each launched `pagellm serve` gets too (the keys through a file).
+FORWARDED_FLAGS = ("--api-key", "--admin-api-key", "--api-key-file", "--max-request-body-bytes")
+ROUTER_HOST = "127.0.0.1"  # the router's management API must not face clients
 # Starts of one replica whose port another process took before it listened (free_port releases
 # the port it finds; `pagellm serve` listens before it loads the model).
 REPLICA_START_ATTEMPTS = 3
@@ -71,8 +78,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--policy", default="cache_aware", choices=ROUTER_POLICIES,
                    help="vllm-router's routing policy (default cache_aware: requests that share "
                         "a prefix go to the replica that has it cached)")
-    p.add_argument("--host", default="127.0.0.1", help="the router's address")
-    p.add_argument("--port", type=int, default=8000, help="the router's port")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the client-facing address (the router gate's; the router itself "
+                        "listens on 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="the client-facing port")
     p.add_argument("--router-metrics-port", type=int, default=None,
                    help="the router's own Prometheus port (default: a free port)")
     p.add_argument("--router-log-level", default="warning",
@@ -88,6 +97,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--api-key", action="append", default=None,
                    help="each launched replica requires 'Authorization: Bearer KEY' "
                         "(repeatable; default env PAGELLM_API_KEY); the router forwards it")
+    p.add_argument("--admin-api-key", action="append", default=None, metavar="KEY",
+                   help="each launched replica accepts KEY with the admin role (repeatable; "
+                        "default env PAGELLM_ADMIN_API_KEY)")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="each launched replica accepts the keys in PATH, as `pagellm serve "
                         "--api-key-file`")
@@ -109,9 +121,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         if flag in FORWARDED_FLAGS:
             p.error(f"give {flag} before --: the launcher passes it to each replica")
     try:
-        load_api_keys(ns.api_key, ns.api_key_file, read_env().api_key)  # refuse bad keys now
+        env = read_env()
+        ns.keys = load_api_keys(ns.api_key, ns.api_key_file, env.api_key, ns.admin_api_key,
+                                env.admin_api_key)
         ns.router = RouterOptions(
-            policy=ns.policy, host=ns.host, port=ns.port,
+            policy=ns.policy, host=ROUTER_HOST, port=0, metrics_host=ns.host,  # port 0: later
             metrics_port=ns.router_metrics_port or 0,  # 0: a free port when it starts
             max_payload_bytes=ns.max_request_body_bytes, health_interval_s=ns.health_interval,
             startup_timeout_s=max(1, int(ns.startup_timeout)), log_level=ns.router_log_level,
@@ -121,13 +135,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return ns, serve_args
 
 
-def replica_serve_args(ns: argparse.Namespace, serve_args: list[str]) -> list[str]:
-    """The serve flags of each launched replica: the user's, plus the forwarded flags."""
+def replica_serve_args(ns: argparse.Namespace, serve_args: list[str], key_dir: str
+                       ) -> list[str]:
+    """The serve flags of each launched replica: the user's, plus the forwarded flags; the
+    keys, if any, go into a file under ``key_dir`` (a private temporary folder)."""
     out = list(serve_args)
-    for key in ns.api_key or ():
-        out += ["--api-key", key]
-    if ns.api_key_file:
-        out += ["--api-key-file", ns.api_key_file]
+    if ns.keys is not None:
+        path = os.path.join(key_dir, "api-keys")
+        write_api_key_file(ns.keys, path)
+        out += ["--api-key-file", path]
     return out + ["--max-request-body-bytes", str(ns.max_request_body_bytes)]
 
 
@@ -174,7 +190,9 @@ class ReplicaSet:
         cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", *self.serve_args,
                "--host", "127.0.0.1", "--port", str(port)]
         # The replica dies with us, whatever kills us (no orphaned servers holding GPUs).
-        proc = subprocess.Popen(cmd, env=child_environ(overrides), preexec_fn=die_with_parent)
+        # No key variable: a replica gets every key from its --api-key-file.
+        env = child_environ(overrides, without=API_KEY_ENV_VARS)
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
         replica = Replica(i, port, proc, starts)
         logger.info("%s: pid %d on 127.0.0.1:%d", replica.name, proc.pid, port)
         self.replicas[replica.name] = replica
@@ -249,11 +267,11 @@ def wait_healthy(named: dict[str, subprocess.Popen], urls: dict[str, str], timeo
             time.sleep(0.5)
 
 
-def watch(router: subprocess.Popen, replicas: dict[str, subprocess.Popen]) -> None:
+def watch(front: dict[str, subprocess.Popen], replicas: dict[str, subprocess.Popen]) -> None:
     """Serve until a signal; a replica that exits is logged (the router routes around it), a
-    router that exits ends the launcher."""
+    front process (the router, its gate) that exits ends the launcher."""
     exited: set[str] = set()
-    while router.poll() is None:
+    while all(proc.poll() is None for proc in front.values()):
         for name, proc in replicas.items():
             if name not in exited and proc.poll() is not None:
                 exited.add(name)
@@ -261,7 +279,18 @@ def watch(router: subprocess.Popen, replicas: dict[str, subprocess.Popen]) -> No
                                "left)", name, proc.returncode, len(replicas) - len(exited),
                                len(replicas))
         time.sleep(0.5)
-    raise RuntimeError(f"vllm-router exited with {router.returncode}")
+    name, proc = next((n, p) for n, p in front.items() if p.poll() is not None)
+    raise RuntimeError(f"{name} exited with {proc.returncode}")
+
+
+def start_gate(router_url: str, host: str, port: int, max_body_bytes: int) -> subprocess.Popen:
+    """The router gate (router_gate.py) on the client-facing address, in front of the router."""
+    cmd = [sys.executable, "-m", "pagellm.entrypoints.router_gate", "--upstream", router_url,
+           "--host", host, "--port", str(port), "--max-request-body-bytes", str(max_body_bytes)]
+    proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)
+    logger.info("router gate: pid %d on http://%s:%d -> %s (/v1/* and the probes only)",
+                proc.pid, host, port, router_url)
+    return proc
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -278,32 +307,37 @@ def main(argv: list[str] | None = None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    router: subprocess.Popen | None = None
+    front: dict[str, subprocess.Popen] = {}
     replicas = ReplicaSet([])
+    key_dir = tempfile.TemporaryDirectory(prefix="pagellm-replicas-")  # mode 0700
     try:
         if ns.backend:
             urls = [url.rstrip("/") for url in ns.backend]
         else:
             replicas = launch_replicas(ns.data_parallel_size,
-                                       replica_serve_args(ns, serve_args),
+                                       replica_serve_args(ns, serve_args, key_dir.name),
                                        ns.devices_per_replica)
             wait_healthy(replicas.procs, {name: f"{url}/health"
                                           for name, url in replicas.urls.items()},
                          ns.startup_timeout, restart=replicas.relaunch_if_port_lost)
             urls = list(replicas.urls.values())
-        # The router's metrics port, unless given, is picked now, not minutes earlier.
-        options = ns.router if ns.router.metrics_port else dataclasses.replace(
-            ns.router, metrics_port=free_port())
-        router = start_router(urls, options)
+        # The router's ports, unless given, are picked now, not minutes earlier.
+        options = dataclasses.replace(ns.router, port=free_port(),
+                                      metrics_port=ns.router.metrics_port or free_port())
+        front["vllm-router"] = start_router(urls, options)
+        router_url = f"http://{ROUTER_HOST}:{options.port}"
         # /readiness: 200 once the router serves with at least one healthy replica (its
         # /health is 503 while any replica is down, e.g. one of several --backend servers).
-        wait_healthy({"vllm-router": router},
-                     {"vllm-router": f"http://{_local(ns.host)}:{ns.port}/readiness"},
+        wait_healthy(front, {"vllm-router": f"{router_url}/readiness"}, ns.startup_timeout)
+        front["router gate"] = start_gate(router_url, ns.host, ns.port,
+                                          ns.max_request_body_bytes)
+        wait_healthy({"router gate": front["router gate"]},
+                     {"router gate": f"http://{_local(ns.host)}:{ns.port}/readiness"},
                      ns.startup_timeout)
-        logger.info("Serving on http://%s:%d (policy %s, %d replicas).", ns.host, ns.port,
-                    ns.policy, len(urls))
-        watch(router, {f"{name} ({replicas.urls[name]})": proc
-                       for name, proc in replicas.procs.items()})
+        logger.info("Serving on http://%s:%d (policy %s, %d replicas; router management API "
+                    "on %s only).", ns.host, ns.port, ns.policy, len(urls), router_url)
+        watch(front, {f"{name} ({replicas.urls[name]})": proc
+                      for name, proc in replicas.procs.items()})
     except KeyboardInterrupt:
         logger.info("Stopping.")
     except RuntimeError as e:
@@ -311,8 +345,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the stop
-        # The router first: it stops taking requests first.
-        stop_processes(([router] if router is not None else []) + list(replicas.procs.values()))
+        # The gate and the router first: they stop taking requests first.
+        stop_processes([*reversed(front.values()), *replicas.procs.values()])
+        key_dir.cleanup()
 
 
 def _local(host: str) -> str:

@@ -1,9 +1,15 @@
-"""The xgrammar backend: StructuredOutputsParams -> a compiled grammar, cached by spec.
+"""The xgrammar backend: StructuredOutputsParams -> a compiled grammar, cached by spec and cache
+namespace.
 
-One ``GrammarCompiler`` per process and tokenizer. The frontend compiles each request's spec when
-the request is added (so a bad schema, regex or grammar is a ValueError before anything is
-queued); the engine core compiles again in its thread pool (a cache hit when both live in one
-process, as in the offline ``LLM``).
+One ``GrammarCompiler`` per process and tokenizer. The frontend compiles each request's spec
+before the request is queued (so a bad schema, regex or grammar is a ValueError first; the server
+compiles on its grammar threads, never on the event loop); the engine core compiles again in its
+thread pool (a cache hit when both live in one process, as in the offline ``LLM``).
+
+The cache is keyed by the request's cache namespace (its ``cache_salt``: the server sets one per
+API-key tenant) as well as the spec: a hit answers in a fraction of a compile's time, so a shared
+entry would tell one tenant which schemas another one sent. It is bounded in entries and in
+bytes (xgrammar's ``memory_size_bytes``: a large enum compiles to tens of MiB).
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ from pagellm.structured_output.params import StructuredOutputsParams
 logger = logging.getLogger("pagellm")
 
 STRUCTURED_OUTPUT_CACHE_ENTRIES = 256  # compiled grammars kept (LRU), per process
+# ... and their memory (memory_size_bytes), per process: the API server and the engine
+# core each keep one cache. A grammar larger than this is used but never cached.
+STRUCTURED_OUTPUT_CACHE_BYTES = 256 * 2**20
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: ".
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 _KIND_NAMES = {"json": "invalid JSON schema", "json_object": "invalid JSON schema",
@@ -50,31 +59,41 @@ def xgrammar_reason(error: BaseException) -> str:
     return _XGRAMMAR_PREFIX.sub("", text).strip() or type(error).__name__
 
 
+# (cache namespace, kind, canonical text, compact whitespace)
+CacheKey = tuple[str | None, str, str, bool]
+
+
 class GrammarCompiler:
     """Compiles specs for one tokenizer and logits width, caching the results (thread-safe).
 
     ``tokenizer_factory`` is called once, on the first compile: engines that never see a
     structured request never build xgrammar's tokenizer info. ``vocab_size`` is the width of
     the model's logits (it may exceed the tokenizer's: those ids are never allowed).
-    ``stop_token_ids`` end a complete output (the EOS ids).
+    ``stop_token_ids`` end a complete output (the EOS ids). The cache keeps at most
+    ``max_entries`` grammars and ``max_bytes`` of them (least recently used out first).
     """
 
     def __init__(self, tokenizer_factory: Callable[[], Any], vocab_size: int,
                  stop_token_ids: list[int], max_threads: int = 1,
-                 max_entries: int = STRUCTURED_OUTPUT_CACHE_ENTRIES) -> None:
+                 max_entries: int = STRUCTURED_OUTPUT_CACHE_ENTRIES,
+                 max_bytes: int = STRUCTURED_OUTPUT_CACHE_BYTES) -> None:
         self._tokenizer_factory = tokenizer_factory
         self.vocab_size = vocab_size
         self.stop_token_ids = list(dict.fromkeys(stop_token_ids))
         self.max_threads = max_threads
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self.stats = CompileStats()
-        self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
+        self._cache: OrderedDict[CacheKey, tuple[Any, int]] = OrderedDict()  # -> (grammar, bytes)
+        self._cache_bytes = 0
         self._lock = threading.Lock()
+        # Apart from _lock: cache hits do not wait while the tokenizer info is built.
+        self._build_lock = threading.Lock()
         self._compiler: Any = None
 
     def xgrammar_compiler(self) -> Any:
         """xgrammar's compiler, built (with its tokenizer info) on first use."""
-        with self._lock:
+        with self._build_lock:
             if self._compiler is None:
                 import xgrammar as xgr
 
@@ -86,36 +105,57 @@ class GrammarCompiler:
                                                      cache_enabled=False)
             return self._compiler
 
-    def compile(self, spec: StructuredOutputsParams) -> Any:
-        """The xgrammar CompiledGrammar of ``spec``; ValueError "structured_outputs.<kind>:
-        invalid ...: <xgrammar's reason>" when it does not compile."""
-        key = spec.cache_key()
+    @staticmethod
+    def cache_key(spec: StructuredOutputsParams, namespace: str | None = None) -> CacheKey:
+        return (namespace, *spec.cache_key())
+
+    def compile(self, spec: StructuredOutputsParams, namespace: str | None = None) -> Any:
+        """The xgrammar CompiledGrammar of ``spec``, cached for ``namespace`` (the request's
+        cache_salt) alone; ValueError "structured_outputs.<kind>: invalid ...: <xgrammar's
+        reason>" when it does not compile."""
+        key = self.cache_key(spec, namespace)
         with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is not None:
+            entry = self._cache.get(key)
+            if entry is not None:
                 self._cache.move_to_end(key)
                 self.stats.hits += 1
-                return compiled
+                return entry[0]
         compiler = self.xgrammar_compiler()
         start = time.perf_counter()
-        kind, text, compact = key
+        _, kind, text, compact = key
         try:
             compiled = _compile(compiler, kind, text, compact)
         except Exception as e:  # xgrammar raises RuntimeError (and subclasses) for bad specs
             raise ValueError(f"structured_outputs.{kind}: {_KIND_NAMES[kind]}: "
                              f"{xgrammar_reason(e)}") from None
         elapsed = time.perf_counter() - start
+        size = int(compiled.memory_size_bytes)
         with self._lock:
             self.stats.misses += 1
             self.stats.compile_seconds += elapsed
-            self._cache[key] = compiled
-            while len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
+            self._store(key, compiled, size)
         return compiled
+
+    def _store(self, key: CacheKey, compiled: Any, size: int) -> None:
+        if size > self.max_bytes:
+            return  # it would evict everything and still not fit
+        old = self._cache.pop(key, None)  # compiled twice at once: keep the newer copy
+        if old is not None:
+            self._cache_bytes -= old[1]
+        self._cache[key] = (compiled, size)
+        self._cache_bytes += size
+        while len(self._cache) > self.max_entries or self._cache_bytes > self.max_bytes:
+            _, (_, evicted) = self._cache.popitem(last=False)
+            self._cache_bytes -= evicted
 
     def cache_size(self) -> int:
         with self._lock:
             return len(self._cache)
+
+    def cache_bytes(self) -> int:
+        """The memory of the cached grammars (memory_size_bytes), at most ``max_bytes``."""
+        with self._lock:
+            return self._cache_bytes
 
 
 def _compile(compiler: Any, kind: str, text: str, compact: bool) -> Any:

@@ -56,7 +56,8 @@ class StructuredOutputManager:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 self._num_threads, thread_name_prefix="pagellm-grammar")
-        future = self._pool.submit(self.compiler.compile, spec)
+        # Keyed by the request's cache namespace too: a tenant never hits another's entry.
+        future = self._pool.submit(self.compiler.compile, spec, request.cache_salt)
         request.grammar = RequestGrammar(future, request.output_token_ids)
         self._compiling.append(request)
         self._requests[request.request_id] = request

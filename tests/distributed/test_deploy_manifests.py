@@ -1,9 +1,10 @@
 """The Kubernetes manifests stay in step with the server and the router: the engine container runs
 a command line that `pagellm serve` really accepts, probes hit /health on the served port,
 Prometheus scrapes /metrics there; the router container runs a command line that the installed
-vllm-router really accepts, discovers exactly the engine pods on the engine's port, and may list
-them; the client Service routes to the router, the headless one to the engines, and the HPA
-scales the engines."""
+vllm-router really accepts, listens on the pod's loopback only, discovers exactly the engine pods
+on the engine's port, and may list them; the gate container beside it, the pod's only client
+port, forwards to that loopback port; the client Service routes to the gate, the headless one to
+the engines, and the HPA scales the engines."""
 
 from __future__ import annotations
 
@@ -23,9 +24,12 @@ def _docs() -> dict[tuple[str, str], dict]:
     return by_name
 
 
-def _container(deployment: dict) -> dict:
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    return container
+def _container(deployment: dict, name: str | None = None) -> dict:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    if name is None:
+        (container,) = containers
+        return container
+    return next(c for c in containers if c["name"] == name)
 
 
 def _port(container: dict, name: str = "http") -> int:
@@ -57,7 +61,7 @@ def test_router_discovers_the_engine_pods_with_a_valid_command_line() -> None:
 
     docs = _docs()
     engine, router = docs["Deployment", "pagellm"], docs["Deployment", "pagellm-router"]
-    container = _container(router)
+    container = _container(router, "router")
     assert container["command"] == ["vllm-router"]
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
@@ -70,14 +74,23 @@ def test_router_discovers_the_engine_pods_with_a_valid_command_line() -> None:
     assert args.selector == engine_labels  # every engine pod, and only those
     assert not all(router_labels.get(k) == v for k, v in args.selector.items())
     assert args.service_discovery_port == _port(_container(engine))
-    assert (args.host, args.port) == ("0.0.0.0", _port(container))
+    # The management API (/add_worker, ...) answers anyone: loopback only, no client port.
+    assert args.host == "127.0.0.1"
+    assert "http" not in {p["name"] for p in container["ports"]}
     assert args.prometheus_host == "0.0.0.0"
     assert args.prometheus_port == _port(container, "metrics")
     notes = router["spec"]["template"]["metadata"]["annotations"]
     assert int(notes["prometheus.io/port"]) == args.prometheus_port
-    # /health is 503 while any one replica is down; these two are the router's own state.
-    assert container["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "http"}
+    gate = _container(router, "gate")
+    assert gate["command"] == ["python", "-m", "pagellm.entrypoints.router_gate"]
+    gate_args = dict(zip(gate["args"][::2], gate["args"][1::2], strict=True))
+    assert gate_args["--upstream"] == f"http://127.0.0.1:{args.port}"
+    assert (gate_args["--host"], int(gate_args["--port"])) == ("0.0.0.0", _port(gate))
+    assert int(gate_args["--max-request-body-bytes"]) == args.max_payload_size
+    # /health is 503 while any one replica is down; these two are the router's own state,
+    # asked through the gate (which forwards them).
+    assert gate["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
+    assert gate["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "http"}
     # Discovery lists and watches pods with the Deployment's service account.
     account = router["spec"]["template"]["spec"]["serviceAccountName"]
     assert ("ServiceAccount", account) in docs

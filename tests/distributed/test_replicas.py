@@ -1,11 +1,14 @@
-"""Two real `pagellm serve` replicas behind a real vllm-router (scripts/replicas.py): completions,
-chat and streams pass through (checked with the openai SDK), the API key is enforced by the
-replicas through the router, round_robin reaches both, power_of_two's load poll reads each
-replica's load, a dead replica is routed around, and stopping the launcher stops everything."""
+"""Two real `pagellm serve` replicas behind a real vllm-router (scripts/replicas.py) and its gate:
+completions, chat and streams pass through (checked with the openai SDK), the API key is
+enforced by the replicas through the router, the router's management API cannot be reached
+through the client port (the router listens on loopback only), no key is on any command line,
+round_robin reaches both, power_of_two's load poll reads each replica's load, a dead replica is
+routed around, and stopping the launcher stops everything."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import re
 import signal
@@ -28,7 +31,17 @@ START_TIMEOUT_S = 600.0
 SERVE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256",
                "--served-model-name", "tiny"]
 KEY = "sk-replicas-test-key"
+ADMIN_KEY = "sk-replicas-admin-key"  # given through the environment
 AUTH = {"Authorization": f"Bearer {KEY}"}
+# vllm-router's management routes (0.1.17), as an attacker would try them on the client port.
+MANAGEMENT = [("POST", "/add_worker?url=http://127.0.0.1:9"), ("POST", "/remove_worker?url=x"),
+              ("GET", "/list_workers"), ("POST", "/flush_cache"), ("GET", "/workers"),
+              ("POST", "/workers"), ("GET", "/workers/http%3A%2F%2F127.0.0.1%3A9"),
+              ("DELETE", "/workers/x"), ("GET", "/get_loads"), ("GET", "/get_server_info"),
+              ("GET", "/v1/../list_workers"), ("GET", "/v1/%2e%2e/list_workers"),
+              ("GET", "/v1/%2E%2E/list_workers"), ("GET", "//list_workers"),
+              ("GET", "/v1//../list_workers"), ("GET", "/health/../list_workers"),
+              ("GET", "/%76%31/../list_workers"), ("GET", "/v1/..%2flist_workers")]
 BODY_CAP = 64 * 1024
 
 
@@ -46,7 +59,8 @@ def launcher(tiny_model_dir, tmp_path_factory):
              "--policy", "round_robin", "--port", str(port), "--health-interval", "1",
              "--api-key", KEY, "--max-request-body-bytes", str(BODY_CAP), "--",
              str(tiny_model_dir("llama")), *SERVE_FLAGS],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
+                           "PAGELLM_ADMIN_API_KEY": ADMIN_KEY}, stdout=out,
             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -54,14 +68,27 @@ def launcher(tiny_model_dir, tmp_path_factory):
         assert proc.poll() is None, log.read_text()
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.5)
-    yield url, proc
+    (router_url,) = re.findall(r"router management API on (\S+) only", log.read_text())
+    yield url, proc, router_url
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
 
 
-def _workers(url: str) -> list[str]:
-    return httpx.get(f"{url}/list_workers", timeout=5).json()["urls"]
+def _workers(router_url: str) -> list[str]:
+    return httpx.get(f"{router_url}/list_workers", timeout=5).json()["urls"]
+
+
+def _listen_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net shows them) of sockets listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, hex_port = fields[1].rsplit(":", 1)
+            if int(hex_port, 16) == port and fields[3] == "0A":  # LISTEN
+                found.add(address)
+    return found
 
 
 def _client(url: str, key: str = KEY) -> openai.OpenAI:
@@ -75,7 +102,7 @@ def _successes(worker: str) -> float:
 
 
 def test_completions_chat_and_streams_pass_through(launcher) -> None:
-    url, _ = launcher
+    url, _, router_url = launcher
     client = _client(url)
     assert [m.id for m in client.models.list().data] == ["tiny"]
     done = client.completions.create(model="tiny", prompt=[5, 17, 42], max_tokens=6,
@@ -97,8 +124,8 @@ def test_completions_chat_and_streams_pass_through(launcher) -> None:
 
 
 def test_round_robin_reaches_both_replicas_with_the_same_model(launcher) -> None:
-    url, _ = launcher
-    workers = _workers(url)
+    url, _, router_url = launcher
+    workers = _workers(router_url)
     assert len(workers) == 2
     before = [_successes(w) for w in workers]
     client = _client(url)
@@ -111,7 +138,7 @@ def test_round_robin_reaches_both_replicas_with_the_same_model(launcher) -> None
 
 
 def test_the_api_key_is_enforced_through_the_router(launcher) -> None:
-    url, _ = launcher
+    url, _, router_url = launcher
     body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
         r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
@@ -122,21 +149,62 @@ def test_the_api_key_is_enforced_through_the_router(launcher) -> None:
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH,
                       timeout=60).status_code == 200
-    for worker in _workers(url):  # the launcher passed --api-key on to each replica
+    for worker in _workers(router_url):  # the launcher passed --api-key on to each replica
         assert httpx.post(f"{worker}/v1/completions", json=body, timeout=60).status_code == 401
     # The body cap: the router refuses a larger body; each replica would too.
     big = {**body, "prompt": "x" * BODY_CAP}
     r = httpx.post(f"{url}/v1/completions", json=big, headers=AUTH, timeout=60)
     assert r.status_code == 413, r.text
-    r = httpx.post(f"{_workers(url)[0]}/v1/completions", json=big, headers=AUTH, timeout=60)
+    r = httpx.post(f"{_workers(router_url)[0]}/v1/completions", json=big, headers=AUTH, timeout=60)
     assert r.status_code == 413, r.text
+
+
+def test_the_routers_management_api_is_not_reachable_through_the_client_port(launcher) -> None:
+    """An attacker who adds a "worker" receives other tenants' requests with their keys: the
+    client port (the gate) answers every management route, and every path trick toward one,
+    with a 404 that never reaches the router; the router itself listens on loopback only."""
+    url, _, router_url = launcher
+    workers = _workers(router_url)
+    for method, path in MANAGEMENT:
+        # A raw request, so no client normalizes the path first.
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), 10) as conn:
+            conn.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         f"{KEY}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
+            reply = b""
+            while chunk := conn.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 404"), (method, path, reply[:200])
+        assert b"/v1/* and the health probes only" in reply, (method, path)
+    assert _workers(router_url) == workers  # nothing was added or removed
+    router_port = int(router_url.rsplit(":", 1)[1])
+    assert _listen_addresses(router_port) == {"0100007F"}  # 127.0.0.1 only
+    # What clients need still passes: the models, a completion, the probes.
+    assert _client(url).models.list().data
+    for probe in ("/health", "/readiness", "/liveness"):
+        assert httpx.get(f"{url}{probe}", timeout=10).status_code == 200, probe
+
+
+def test_no_key_is_on_any_command_line_and_admin_keys_reach_the_replicas(launcher) -> None:
+    """The launcher hands the keys on in a private file: ``ps`` shows none of them for the
+    replicas, the router or the gate. The admin key (from the environment) runs an admin route
+    on a replica; the tenant key gets 403 there."""
+    _, proc, router_url = launcher
+    for pid in _children(proc.pid):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert KEY.encode() not in cmdline and ADMIN_KEY.encode() not in cmdline, cmdline
+    worker = _workers(router_url)[0]
+    r = httpx.post(f"{worker}/reset_prefix_cache", headers=AUTH, timeout=60)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required", r.text
+    r = httpx.post(f"{worker}/reset_prefix_cache",
+                   headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
+    assert r.status_code == 200 and r.json() == {"success": True}, r.text
 
 
 def test_power_of_two_reads_each_replicas_load(launcher) -> None:
     """power_of_two polls /get_load (without a key); the router's /get_loads shows what it
     read: 0 at rest, then the sequences running on the replica that has work."""
-    url, _ = launcher
-    workers = _workers(url)
+    url, _, router_url = launcher
+    workers = _workers(router_url)
     for worker in workers:
         assert httpx.get(f"{worker}/get_load", timeout=5).json() == {"load": 0}
     # A warm tiny model runs 200 tokens in a fraction of a second: 2 x n=16 keep it busy.
@@ -147,7 +215,7 @@ def test_power_of_two_reads_each_replicas_load(launcher) -> None:
                                headers=AUTH, timeout=300) for _ in range(2)]
         seen: dict[str, int] = {}
         while not all(r.done() for r in running):
-            loads = httpx.get(f"{url}/get_loads", timeout=5).json()["workers"]
+            loads = httpx.get(f"{router_url}/get_loads", timeout=5).json()["workers"]
             seen = {w["worker"]: w["load"] for w in loads}
             if seen[workers[0]] > 0:
                 break
@@ -156,8 +224,8 @@ def test_power_of_two_reads_each_replicas_load(launcher) -> None:
 
 
 def test_a_dead_replica_is_routed_around(launcher) -> None:
-    url, proc = launcher
-    victim_url = _workers(url)[0]
+    url, proc, router_url = launcher
+    victim_url = _workers(router_url)[0]
     port = victim_url.rsplit(":", 1)[1]
     (victim,) = [pid for pid in _children(proc.pid)
                  if f"--port\0{port}\0" in Path(f"/proc/{pid}/cmdline").read_text()]
@@ -169,7 +237,7 @@ def test_a_dead_replica_is_routed_around(launcher) -> None:
 
 
 def test_stopping_the_launcher_stops_the_router_and_replicas(launcher) -> None:
-    _, proc = launcher
+    _, proc, _ = launcher
     children = _children(proc.pid)  # the live replica and the router (its process title)
     assert any(b"vllm::router" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children)
     proc.send_signal(signal.SIGTERM)
@@ -273,13 +341,17 @@ def test_bad_command_lines_are_refused(argv, message, capsys) -> None:
 def test_the_router_command_line_parses_with_vllm_router() -> None:
     from vllm_router.launch_router import parse_router_args
 
-    ns, _ = replicas.parse_args(["-dp", "2", "--policy", "cache_aware", "--port", "9000",
-                                 "--router-args", "--cache-threshold 0.5", "--", "M"])
-    cmd = replica_router.router_command(["http://127.0.0.1:1", "http://127.0.0.1:2"], ns.router)
+    ns, _ = replicas.parse_args(["-dp", "2", "--policy", "cache_aware", "--host", "0.0.0.0",
+                                 "--port", "9000", "--router-args", "--cache-threshold 0.5",
+                                 "--", "M"])
+    options = dataclasses.replace(ns.router, port=9001)  # main() picks a free one
+    cmd = replica_router.router_command(["http://127.0.0.1:1", "http://127.0.0.1:2"], options)
     assert cmd[1:3] == ["-m", "vllm_router.launch_router"]
     args = parse_router_args(cmd[3:])
     assert args.worker_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    assert (args.policy, args.port, args.cache_threshold) == ("cache_aware", 9000, 0.5)
+    assert (args.policy, args.port, args.cache_threshold) == ("cache_aware", 9001, 0.5)
+    # --host is the gate's: the router's management API stays on loopback.
+    assert (args.host, args.prometheus_host) == ("127.0.0.1", "0.0.0.0")
     assert args.max_payload_size == 8 * 2**20
 
 

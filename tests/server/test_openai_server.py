@@ -27,13 +27,15 @@ from server_utils import (
 from pagellm.benchmarks.serve import benchmark, load_dataset
 
 API_KEY = "test-key-123"
+ADMIN_KEY = "test-admin-key-456"
 PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = ServerProcess([*TINY_ARGS, "--api-key", API_KEY, "--served-model-name", "smol",
+    srv = ServerProcess([*TINY_ARGS, "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
+                         "--served-model-name", "smol",
                          "alias", "--enable-prefix-caching", "--max-num-seqs", "16",
                          "--enable-prompt-tokens-details", "--enable-tokenizer-info-endpoint"], log)
     yield srv
@@ -321,7 +323,8 @@ def test_metrics_count_requests(server, client):
     assert metric(after, "pagellm:kv_cache_usage_perc") == 0
     for name in ("pagellm:num_preemptions_total", "pagellm:prefix_cache_hits_total"):
         assert name in {k.partition("{")[0] for k in after}
-    assert post(server, "/reset_prefix_cache", {}).json() == {"success": True}
+    assert post(server, "/reset_prefix_cache", {}).status_code == 403  # a tenant's key
+    assert post(server, "/reset_prefix_cache", {}, key=ADMIN_KEY).json() == {"success": True}
 
 
 async def _hang_up_after_two_chunks(base_url: str, i: int) -> None:

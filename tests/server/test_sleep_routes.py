@@ -1,6 +1,7 @@
 """vLLM's sleep-mode routes on a real server over a tiny model: ``POST /sleep?level=N``,
-``POST /wake_up``, ``GET /is_sleeping``, behind the API key and only with --enable-sleep-mode;
-a generation request while asleep is a 503; after waking the tokens are those from before."""
+``POST /wake_up``, ``GET /is_sleeping``, behind an admin key (a tenant key gets 403) and only
+with --enable-sleep-mode; a generation request while asleep is a 503; after waking the tokens are
+those from before."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import pytest
 from server_utils import ServerProcess
 
 API_KEY = "sleep-key"
+ADMIN_KEY = "sleep-admin-key"
 PROMPT = [5, 17, 42, 99, 7, 64, 23, 11]
 
 
-def call(server, method, path, body=None, key=API_KEY):
+def call(server, method, path, body=None, key=ADMIN_KEY):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.request(method, f"{server.base_url}{path}", json=body, headers=headers,
                          timeout=300)
@@ -20,14 +22,16 @@ def call(server, method, path, body=None, key=API_KEY):
 
 def complete(server) -> httpx.Response:
     return call(server, "POST", "/v1/completions",
-                {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+                {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+                key=API_KEY)
 
 
 def start(tmp_path_factory, model_dir, *extra: str) -> ServerProcess:
     log = tmp_path_factory.mktemp("server") / "server.log"
     return ServerProcess(["--model", str(model_dir), "--dtype", "float32",
                           "--kv-cache-memory", "16MiB", "--max-model-len", "256",
-                          "--api-key", API_KEY, "--enable-prefix-caching", *extra], log)
+                          "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
+                          "--enable-prefix-caching", *extra], log)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +69,10 @@ def test_bad_level_is_400(server) -> None:
 
 @pytest.mark.parametrize("method,path", [("POST", "/sleep"), ("POST", "/wake_up"),
                                          ("GET", "/is_sleeping")])
-def test_needs_the_api_key(server, method, path) -> None:
+def test_needs_an_admin_key(server, method, path) -> None:
     assert call(server, method, path, key=None).status_code == 401
+    r = call(server, method, path, key=API_KEY)  # a tenant's key
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required", r.text
     assert call(server, "GET", "/is_sleeping").json() == {"is_sleeping": False}
 
 

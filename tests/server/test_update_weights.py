@@ -1,10 +1,11 @@
 """``POST /update_weights_from_disk`` (SGLang's route) on a real server over a tiny model: a
 request running when it arrives finishes, later ones get the new model's tokens (those of an
 engine built from the new checkpoint), and anything but a checkpoint of the same architecture
-is a 400 naming model_path; the route sits behind the API key."""
+under --allowed-weights-path is a 400 naming model_path; the route needs an admin key."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import httpx
@@ -15,6 +16,7 @@ from weight_update_utils import perturbed_model
 from pagellm import LLM, SamplingParams
 
 API_KEY = "rl-key"
+ADMIN_KEY = "rl-admin-key"
 PROMPT = [5, 17, 42, 99, 7, 64, 23, 11]
 
 
@@ -31,17 +33,23 @@ def complete(server, max_tokens=8) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_llama_dir):
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("checkpoints")  # --allowed-weights-path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_llama_dir, root):
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = ServerProcess(["--model", str(tiny_llama_dir), "--dtype", "float32",
                          "--kv-cache-memory", "16MiB", "--max-model-len", "256",
-                         "--api-key", API_KEY, "--enable-prefix-caching"], log)
+                         "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
+                         "--allowed-weights-path", str(root), "--enable-prefix-caching"], log)
     yield srv
     srv.stop()
 
 
-def test_update_weights_from_disk(server, tiny_llama_dir, tmp_path) -> None:
-    new_path = tmp_path / "new"
+def test_update_weights_from_disk(server, tiny_llama_dir, root) -> None:
+    new_path = root / "new"
     new_path.mkdir()
     perturbed_model(tiny_llama_dir, new_path)
     before = complete(server)["text"]
@@ -49,7 +57,7 @@ def test_update_weights_from_disk(server, tiny_llama_dir, tmp_path) -> None:
     long_result: dict = {}
     thread = threading.Thread(target=lambda: long_result.update(complete(server, 200)))
     thread.start()
-    r = post(server, "/update_weights_from_disk", {"model_path": str(new_path)})
+    r = post(server, "/update_weights_from_disk", {"model_path": "new"}, key=ADMIN_KEY)
     thread.join(300)
     assert r.status_code == 200, r.text
     assert r.json()["success"] is True
@@ -63,17 +71,22 @@ def test_update_weights_from_disk(server, tiny_llama_dir, tmp_path) -> None:
     assert after != before
 
 
-@pytest.mark.parametrize("which", ["missing", "other_arch", "no_body"])
-def test_bad_model_path_is_400(server, tmp_path, tiny_model_dir, which) -> None:
-    body = {"missing": {"model_path": str(tmp_path / "nope")},
-            "other_arch": {"model_path": str(tiny_model_dir("qwen2"))},
+@pytest.mark.parametrize("which", ["missing", "other_arch", "outside", "no_body"])
+def test_bad_model_path_is_400(server, root, tiny_model_dir, tiny_llama_dir, which) -> None:
+    if which == "other_arch" and not (root / "qwen2").exists():
+        shutil.copytree(tiny_model_dir("qwen2"), root / "qwen2")
+    body = {"missing": {"model_path": str(root / "nope")},
+            "other_arch": {"model_path": "qwen2"},
+            "outside": {"model_path": str(tiny_llama_dir)},  # a good checkpoint, not under root
             "no_body": {}}[which]
-    r = post(server, "/update_weights_from_disk", body)
+    r = post(server, "/update_weights_from_disk", body, key=ADMIN_KEY)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "model_path"
     assert complete(server)  # still serving
 
 
-def test_needs_the_api_key(server, tiny_llama_dir) -> None:
-    r = post(server, "/update_weights_from_disk", {"model_path": str(tiny_llama_dir)}, key=None)
+def test_needs_an_admin_key(server, root) -> None:
+    r = post(server, "/update_weights_from_disk", {"model_path": "new"}, key=None)
     assert r.status_code == 401
+    r = post(server, "/update_weights_from_disk", {"model_path": "new"})  # a tenant's key
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"

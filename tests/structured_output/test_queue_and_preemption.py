@@ -21,9 +21,9 @@ class GatedCompiler:
         self.gate = gate
         self.vocab_size = inner.vocab_size
 
-    def compile(self, spec):
+    def compile(self, spec, namespace=None):
         assert self.gate.wait(60)
-        return self.inner.compile(spec)
+        return self.inner.compile(spec, namespace)
 
 
 def test_requests_run_while_a_grammar_compiles(tiny_llm) -> None:
@@ -103,7 +103,7 @@ class FailingCompiler:
     def __init__(self, inner) -> None:
         self.vocab_size = inner.vocab_size
 
-    def compile(self, spec):
+    def compile(self, spec, namespace=None):
         raise RuntimeError("injected compile failure")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 import pagellm
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.admin_routes import AdminOptions, add_admin_routes
 from pagellm.entrypoints.openai.chat_tools import ChatToolOptions
 from pagellm.entrypoints.openai.limits import RequestLimitsMiddleware, ServerLimits
 from pagellm.entrypoints.openai.protocol import (
@@ -41,6 +43,7 @@ from pagellm.entrypoints.openai.serving_tokenization import tokenizer_info
 from pagellm.entrypoints.openai.tenancy import (
     OPEN_PATHS,
     PREFIX_CACHE_SCOPES,
+    ROLE_SCOPE_KEY,
     TENANT_SCOPE_KEY,
     ApiKey,
     ApiKeys,
@@ -54,7 +57,8 @@ ENGINE_DEAD_GRACE_S = 2.0  # /health answers 503 this long before the server exi
 
 class ApiKeyMiddleware:
     """401 unless ``Authorization: Bearer <key>`` matches one of the keys (constant-time
-    compare); a match leaves the key's tenant identity in the scope for the cache namespace."""
+    compare); a match leaves the key's tenant identity (for the cache namespace) and its role
+    (for the admin routes) in the scope."""
 
     def __init__(self, app: Any, api_key: str | ApiKeys) -> None:
         self.app = app
@@ -70,9 +74,10 @@ class ApiKeyMiddleware:
             if name == b"authorization":
                 given = value
                 break
-        identity = self.keys.identity_of(given)
-        if identity is not None:
-            scope[TENANT_SCOPE_KEY] = identity
+        caller = self.keys.caller_of(given)
+        if caller is not None:
+            scope[TENANT_SCOPE_KEY] = caller.identity
+            scope[ROLE_SCOPE_KEY] = caller.role
             await self.app(scope, receive, send)
             return
         response = JSONResponse(error_body(401, "Invalid or missing API key (send "
@@ -112,14 +117,16 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
               enable_prompt_tokens_details: bool = False,
               health_max_step_s: float = 0.0,
               enable_tokenizer_info_endpoint: bool = False,
-              tool_options: ChatToolOptions | None = None) -> FastAPI:
+              tool_options: ChatToolOptions | None = None,
+              admin: AdminOptions | None = None) -> FastAPI:
     """``api_key``: one key or several (ApiKeys); with ``prefix_cache_scope`` "key" each key's
     tenant gets its own prefix-cache namespace (a request's cache_salt narrows it further).
     ``health_max_step_s`` (> 0): /health answers 503 once requests have waited this long for
     an engine step (a wedged engine); ``pagellm serve`` sets it (--health-max-step-seconds).
     ``enable_tokenizer_info_endpoint``: add GET /tokenizer_info (it shows the chat template).
     ``tool_options``: tool calling and reasoning (--enable-auto-tool-choice, --tool-call-parser,
-    --reasoning-parser, ...)."""
+    --reasoning-parser, ...). ``admin``: who may run the admin routes (admin_routes.py; default:
+    admin keys only, and none without keys)."""
     if prefix_cache_scope not in PREFIX_CACHE_SCOPES:
         raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, got "
                          f"{prefix_cache_scope!r}")
@@ -222,9 +229,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
         if body.messages is not None:
             ids = await tokenizer_pool.run(renderer.render, body.messages,
                                            body.add_generation_prompt,
-                                           body.continue_final_message)
-            if body.add_special_tokens:
-                ids = list(engine.tokenizer.build_inputs_with_special_tokens(ids))
+                                           body.continue_final_message,
+                                           add_special_tokens=bool(body.add_special_tokens))
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             (ids,) = await tokenizer_pool.encode([body.prompt], add_special)
@@ -234,12 +240,18 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         models.check(body.model)
+        # No sequence this server reads or writes is longer; and a fast tokenizer's decode holds
+        # the GIL (1M ids: 0.1-0.2 s of a stopped event loop, from any thread).
+        if len(body.tokens) > models.max_model_len:
+            raise bad_request(f"tokens has {len(body.tokens)} ids, more than this model's "
+                              f"context (max_model_len {models.max_model_len}).", "tokens")
         vocab = config.model.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"Token id {bad[0]} is out of vocabulary (size {vocab}).",
                               "tokens")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)).model_dump()
+        text = await tokenizer_pool.run_decode(engine.tokenizer.decode, body.tokens)
+        return DetokenizeResponse(prompt=text).model_dump()
 
     if enable_tokenizer_info_endpoint:
         @app.get("/tokenizer_info")
@@ -251,54 +263,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
         data, content_type = engine.prometheus.render()
         return Response(content=data, media_type=content_type)
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict:
-        return {"success": await engine.reset_prefix_cache()}
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(raw_request: Request) -> dict:
-        # SGLang's route: requests running now finish first; those sent meanwhile wait.
-        try:
-            body = await raw_request.json()
-        except ValueError:
-            body = None
-        path = body.get("model_path") if isinstance(body, dict) else None
-        if not isinstance(path, str) or not path:
-            raise bad_request("model_path (a string: a safetensors checkpoint folder) is "
-                              "required.", "model_path")
-        try:
-            n = await engine.update_weights_from_disk(path)
-        except ValueError as e:
-            raise bad_request(str(e), "model_path") from e
-        return {"success": True, "message": f"Loaded {n} tensors from {path}.",
-                "num_tensors": n}
-
-    if getattr(config, "enable_sleep_mode", False):  # test doubles' configs lack it
-        _add_sleep_routes(app, engine)
+    add_admin_routes(app, engine, admin or AdminOptions(), keys_configured=bool(api_key),
+                     # test doubles' configs lack it
+                     enable_sleep_mode=getattr(config, "enable_sleep_mode", False))
     return app
-
-
-def _add_sleep_routes(app: FastAPI, engine: AsyncLLM) -> None:
-    """vLLM's sleep-mode routes (--enable-sleep-mode only). A sleep waits for the running
-    requests to finish; from the moment it arrives until /wake_up returns, generation requests
-    get a 503 (code "engine_sleeping")."""
-
-    @app.post("/sleep")
-    async def sleep(level: int = 1) -> dict:
-        if level not in (1, 2):
-            raise bad_request(f"level must be 1 (free the KV cache) or 2 (and the weights), "
-                              f"got {level}.", "level")
-        await engine.sleep(level)
-        return {"success": True, "level": level}
-
-    @app.post("/wake_up")
-    async def wake_up() -> dict:
-        await engine.wake_up()
-        return {"success": True}
-
-    @app.get("/is_sleeping")
-    async def is_sleeping() -> dict:
-        return {"is_sleeping": await engine.is_sleeping()}
 
 
 async def serve_http(app: FastAPI, engine: AsyncLLM, sock: socket.socket,
@@ -321,6 +289,12 @@ async def serve_http(app: FastAPI, engine: AsyncLLM, sock: socket.socket,
                                               lambda: setattr(server, "should_exit", True))
 
     engine.on_dead(on_dead)
+    # What start-up made (modules, the tokenizer, the app: millions of objects) lives as long
+    # as the server: out of the collector's sight, a full collection, which holds the GIL
+    # and so stops the event loop, walks only what requests made (it took 250 ms after a
+    # large prompt-logprobs answer).
+    gc.collect()
+    gc.freeze()
     await server.serve(sockets=[sock])
     if not server.started and exit_code == 0:
         exit_code = 1

@@ -17,9 +17,10 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.protocol_tools import ChatTool, NamedToolChoice
 from pagellm.entrypoints.openai.serving_errors import bad_request
-from pagellm.entrypoints.openai.structured_request import Constraint
+from pagellm.entrypoints.openai.structured_request import Constraint, check_spec_caps
 from pagellm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagellm.entrypoints.openai.tool_parsers.forced_tool_parsers import (
     NamedFunctionParser,
@@ -61,8 +62,15 @@ class ToolPlan:
 
 
 def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice | None,
-               parallel_tool_calls: bool | None, options: ChatToolOptions) -> ToolPlan:
+               parallel_tool_calls: bool | None, options: ChatToolOptions,
+               limits: ServerLimits | None = None) -> ToolPlan:
+    """``limits``: --max-tools, and the structured-output caps on the tools' parameters that a
+    forced tool_choice compiles (counted together, before the schema is built)."""
     tools = tools or []
+    limits = limits or ServerLimits()
+    if len(tools) > limits.max_tools:
+        raise bad_request(f"tools has {len(tools)} tools, more than {limits.max_tools} "
+                          "(--max-tools).", "tools")
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     max_calls = 1 if parallel_tool_calls is False else None
@@ -85,6 +93,7 @@ def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice 
         return ToolPlan(template_tools, None, get_tool_parser(options.tool_call_parser),
                         max_calls)
     if tool_choice == "required":
+        check_spec_caps("json", [t.function.parameters for t in tools], "tools", limits)
         schema = required_tools_schema(tools, max_calls)
         return ToolPlan(template_tools, Constraint("tool_choice", "json", schema),
                         RequiredToolsParser(), max_calls)
@@ -95,6 +104,7 @@ def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice 
         raise bad_request(f"tool_choice names the function {name!r}, which is not among the "
                           "tools.", "tool_choice")
     schema = tool.function.parameters or _ANY_OBJECT
+    check_spec_caps("json", [schema], "tools", limits)
     return ToolPlan(template_tools, Constraint("tool_choice", "json", schema),
                     NamedFunctionParser(name), max_calls)
 

@@ -5,20 +5,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Any
 
 from pagellm.engine_args import EngineArgs
 from pagellm.entrypoints.openai import limits
+from pagellm.entrypoints.openai.admin_routes import AdminOptions
 from pagellm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
-from pagellm.entrypoints.openai.tenancy import PREFIX_CACHE_SCOPES, load_api_keys
+from pagellm.entrypoints.openai.tenancy import ADMIN_PATHS, PREFIX_CACHE_SCOPES, load_api_keys
 from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagellm.entrypoints.ports import listen_socket
 
 logger = logging.getLogger("pagellm")
 
 API_KEY_ENV = "PAGELLM_API_KEY"
+ADMIN_API_KEY_ENV = "PAGELLM_ADMIN_API_KEY"
 # Far above any healthy step (a long prefill chunk on a CPU), yet a wedge is seen in minutes.
 DEFAULT_HEALTH_MAX_STEP_S = 120.0
 
@@ -34,8 +37,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         f"without --api-key or --api-key-file, env {API_KEY_ENV}); /health, "
                         "/metrics, /version and the API docs stay open")
     g.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="accept the keys in PATH: one per line, optionally 'KEY NAME' (keys "
-                        "with one name are one tenant); blank lines and # comments skipped")
+                   help="accept the keys in PATH: one per line, 'KEY [NAME] [role=admin]' "
+                        "(keys with one name are one tenant; role=admin may call the admin "
+                        "routes); blank lines and # comments skipped")
+    g.add_argument("--admin-api-key", action="append", default=None, metavar="KEY",
+                   help="a key with the admin role (repeatable; without it, env "
+                        f"{ADMIN_API_KEY_ENV}): only admin keys may call "
+                        f"{', '.join(sorted(ADMIN_PATHS))} (403 for tenant keys). A file or "
+                        "the environment keeps it out of `ps`")
+    g.add_argument("--enable-admin-routes", action="store_true",
+                   help="on a server without any API key, serve the admin routes to anyone "
+                        "who can reach the port (default: they answer 403)")
+    g.add_argument("--allowed-weights-path", default=None, metavar="DIR",
+                   help="/update_weights_from_disk loads checkpoint folders under DIR only "
+                        "(default: none; the route answers 400)")
     g.add_argument("--prefix-cache-scope", choices=PREFIX_CACHE_SCOPES, default="key",
                    help="key (default): each API key's tenant has its own prefix cache (a "
                         "request's cache_salt narrows it further); global: every request may "
@@ -102,6 +117,36 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                      help="most sequences (prompts x n) one request may start (default 64)")
     lim.add_argument("--max-logit-bias", type=int, default=limits.DEFAULT_MAX_LOGIT_BIAS,
                      help="most logit_bias entries per request (default 300, as OpenAI)")
+    lim.add_argument("--max-prompt-logprobs-entries", type=int,
+                     default=limits.DEFAULT_MAX_PROMPT_LOGPROBS_ENTRIES,
+                     help="most prompt logprob entries (prompt tokens x (1 + prompt_logprobs), "
+                          "summed over the prompts) one request may ask for; echo with "
+                          "logprobs counts too (default 65536: about 4 MiB of JSON)")
+    lim.add_argument("--max-structured-outputs-spec-bytes", type=int,
+                     default=limits.DEFAULT_MAX_STRUCTURED_OUTPUTS_SPEC_BYTES,
+                     help="largest structured-output spec (JSON schema, regex, grammar, or "
+                          "choices; a forced tool_choice: the tools' parameters), in UTF-8 "
+                          "bytes (default 128 KiB)")
+    lim.add_argument("--max-structured-outputs-choices", type=int,
+                     default=limits.DEFAULT_MAX_STRUCTURED_OUTPUTS_CHOICES,
+                     help="most choices (guided_choice), or enum values in all of a JSON "
+                          "schema's enums (default 1000, as OpenAI)")
+    lim.add_argument("--max-structured-outputs-depth", type=int,
+                     default=limits.DEFAULT_MAX_STRUCTURED_OUTPUTS_DEPTH,
+                     help="deepest JSON schema, in JSON nesting levels (default 24; OpenAI's 10 "
+                          "levels of objects are 21), also for a schema sent as a string")
+    lim.add_argument("--max-tools", type=int, default=limits.DEFAULT_MAX_TOOLS,
+                     help="most tools per chat request (default 128, as OpenAI)")
+    lim.add_argument("--max-structured-outputs-compiles", type=int,
+                     default=limits.DEFAULT_MAX_STRUCTURED_OUTPUTS_COMPILES,
+                     help="grammar compiles running or queued in the API server (off the event "
+                          "loop); past it, requests with a new spec get 503 with Retry-After "
+                          "(default 8)")
+    lim.add_argument("--structured-outputs-compile-timeout", type=float,
+                     default=limits.DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S, metavar="S",
+                     help="a request whose grammar has not compiled after S seconds gets 503 "
+                          "with Retry-After; the compile goes on and its grammar is cached for "
+                          "the retry (default 10)")
     lim.add_argument("--max-waiting-requests", "--max-queued-requests", type=int, default=None,
                      help="sequences allowed to wait beyond --max-num-seqs; past it new "
                           "requests get 503 with Retry-After (default: "
@@ -118,8 +163,26 @@ def server_limits_from(ns: argparse.Namespace) -> limits.ServerLimits:
         max_request_body_bytes=ns.max_request_body_bytes, max_json_depth=ns.max_json_depth,
         max_n=ns.max_n, max_stop=ns.max_stop, max_stop_length=ns.max_stop_length,
         max_prompts=ns.max_prompts, max_seqs_per_request=ns.max_seqs_per_request,
-        max_logit_bias=ns.max_logit_bias, max_waiting_requests=ns.max_waiting_requests,
+        max_logit_bias=ns.max_logit_bias,
+        max_prompt_logprobs_entries=ns.max_prompt_logprobs_entries,
+        max_structured_outputs_spec_bytes=ns.max_structured_outputs_spec_bytes,
+        max_structured_outputs_choices=ns.max_structured_outputs_choices,
+        max_structured_outputs_depth=ns.max_structured_outputs_depth, max_tools=ns.max_tools,
+        max_structured_outputs_compiles=ns.max_structured_outputs_compiles,
+        structured_outputs_compile_timeout=ns.structured_outputs_compile_timeout,
+        max_waiting_requests=ns.max_waiting_requests,
         max_num_queued_tokens=ns.max_num_queued_tokens)
+
+
+def admin_options_from(ns: argparse.Namespace, keys_configured: bool) -> AdminOptions:
+    if ns.enable_admin_routes and keys_configured:
+        raise ValueError("--enable-admin-routes is for a server without API keys; with keys, "
+                         "give the admin routes' callers --admin-api-key (or role=admin in "
+                         "--api-key-file).")
+    root = ns.allowed_weights_path
+    if root is not None and not os.path.isdir(root):
+        raise ValueError(f"--allowed-weights-path {root}: not a directory.")
+    return AdminOptions(enable_admin_routes=ns.enable_admin_routes, allowed_weights_path=root)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -170,7 +233,9 @@ def run_serve(ns: argparse.Namespace) -> None:
                 exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none)
             server_limits = server_limits_from(ns)
             config = args.create_engine_config()
-            api_keys = load_api_keys(ns.api_key, ns.api_key_file, config.env.api_key)
+            api_keys = load_api_keys(ns.api_key, ns.api_key_file, config.env.api_key,
+                                     ns.admin_api_key, config.env.admin_api_key)
+            admin = admin_options_from(ns, api_keys is not None)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
@@ -192,10 +257,11 @@ def run_serve(ns: argparse.Namespace) -> None:
                         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
                         health_max_step_s=ns.health_max_step_seconds,
                         enable_tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint,
-                        tool_options=tool_options)
+                        tool_options=tool_options, admin=admin)
         if ns.host not in ("127.0.0.1", "localhost", "::1") and api_keys is None:
             logger.warning("Serving on %s without --api-key: anyone who can reach this port "
-                           "can use the model.", ns.host)
+                           "can use the model%s.", ns.host,
+                           " and the admin routes" if admin.enable_admin_routes else "")
         exit_code = asyncio.run(serve_http(app, engine, sock, log_level=ns.uvicorn_log_level))
     except KeyboardInterrupt:
         logger.info("Interrupted; shutting down.")

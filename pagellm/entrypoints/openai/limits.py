@@ -25,6 +25,17 @@ DEFAULT_MAX_STOP_LENGTH = 256  # characters per stop string
 DEFAULT_MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 DEFAULT_MAX_SEQS_PER_REQUEST = 64  # prompts x n: what one request may start
 DEFAULT_MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+# Prompt logprobs: prompt tokens x (1 + top-N) entries, each ~65 bytes of JSON: ~4 MiB. A whole
+# 32k-token context scored with logprobs=1 (lm-eval's loglikelihood) fits.
+DEFAULT_MAX_PROMPT_LOGPROBS_ENTRIES = 65536
+# Structured outputs: what a grammar may be made of (checked before it compiles). A 20k-value
+# enum is 320 KB and compiles for seconds to ~70 MiB; real schemas are a few KB.
+DEFAULT_MAX_STRUCTURED_OUTPUTS_SPEC_BYTES = 128 * 2**10  # schema, regex, grammar or choices
+DEFAULT_MAX_STRUCTURED_OUTPUTS_CHOICES = 1000  # choice entries, or a schema's enum values (OpenAI)
+DEFAULT_MAX_STRUCTURED_OUTPUTS_DEPTH = 24  # JSON levels; OpenAI's 10 object levels are 21
+DEFAULT_MAX_TOOLS = 128  # as OpenAI
+DEFAULT_MAX_STRUCTURED_OUTPUTS_COMPILES = 8  # compiling or queued in the API server; then 503
+DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S = 10.0  # a request's wait for its compile; then 503
 # Without --max-waiting-requests, this many times --max-num-seqs may wait: deep enough to keep
 # the batch full between a client's requests, small enough that a flood gets 503 quickly.
 DEFAULT_WAITING_PER_RUNNING_SEQ = 4
@@ -40,6 +51,13 @@ class ServerLimits:
     max_prompts: int = DEFAULT_MAX_PROMPTS
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS
+    max_prompt_logprobs_entries: int = DEFAULT_MAX_PROMPT_LOGPROBS_ENTRIES
+    max_structured_outputs_spec_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUTS_SPEC_BYTES
+    max_structured_outputs_choices: int = DEFAULT_MAX_STRUCTURED_OUTPUTS_CHOICES
+    max_structured_outputs_depth: int = DEFAULT_MAX_STRUCTURED_OUTPUTS_DEPTH
+    max_tools: int = DEFAULT_MAX_TOOLS
+    max_structured_outputs_compiles: int = DEFAULT_MAX_STRUCTURED_OUTPUTS_COMPILES
+    structured_outputs_compile_timeout: float = DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S
     # Sequences that may wait beyond --max-num-seqs before new requests get 503;
     # None = DEFAULT_WAITING_PER_RUNNING_SEQ x --max-num-seqs (see waiting_cap).
     max_waiting_requests: int | None = None
@@ -55,10 +73,16 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for name in ("max_request_body_bytes", "max_json_depth", "max_n", "max_stop",
                      "max_stop_length", "max_prompts", "max_seqs_per_request",
-                     "max_logit_bias"):
+                     "max_logit_bias", "max_prompt_logprobs_entries",
+                     "max_structured_outputs_spec_bytes",
+                     "max_structured_outputs_choices", "max_structured_outputs_depth",
+                     "max_tools", "max_structured_outputs_compiles"):
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}.")
+        if not self.structured_outputs_compile_timeout > 0:  # NaN too
+            raise ValueError("--structured-outputs-compile-timeout must be > 0, "
+                             f"got {self.structured_outputs_compile_timeout}.")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError("--max-waiting-requests must be >= 0, "
                              f"got {self.max_waiting_requests}.")

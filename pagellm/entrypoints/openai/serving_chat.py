@@ -16,7 +16,10 @@ from pagellm.entrypoints.openai.chat_tools import (
     template_tool_fields,
 )
 from pagellm.entrypoints.openai.limits import ServerLimits
-from pagellm.entrypoints.openai.prompt_logprobs import prompt_logprobs_json
+from pagellm.entrypoints.openai.prompt_logprobs import (
+    plain_prompt_logprobs,
+    shaped_prompt_logprobs,
+)
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -90,7 +93,8 @@ class ChatRenderer:
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False,
-               tools: list[dict[str, Any]] | None = None) -> list[int]:
+               tools: list[dict[str, Any]] | None = None,
+               add_special_tokens: bool = False) -> list[int]:
         conversation = []
         for index, m in enumerate(messages):
             content = m.content
@@ -117,8 +121,9 @@ class ChatRenderer:
                 continue_final_message=continue_final_message)
         except Exception as e:  # Jinja errors (e.g. "roles must alternate") are the user's
             raise bad_request(f"Could not apply the chat template: {e}", "messages") from None
-        # The template writes the special tokens (BOS...) itself.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        # The template writes the special tokens (BOS...) itself, unless /tokenize asks for
+        # the tokenizer's too (add_special_tokens, as vLLM).
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -137,8 +142,9 @@ class OpenAIServingChat(OpenAIServing):
         model = self.models.check(req.model)
         max_tokens = req.max_completion_tokens or req.max_tokens
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_options)
-        structured, constraint = resolve_structured_outputs(req, plan.constraint)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_options,
+                          self.limits)
+        structured, constraint = resolve_structured_outputs(req, plan.constraint, self.limits)
         if req.prompt_logprobs is not None and req.stream:  # as vLLM
             raise bad_request("prompt_logprobs is not available when stream is true.",
                               "prompt_logprobs")
@@ -156,8 +162,10 @@ class OpenAIServingChat(OpenAIServing):
         prompt: dict = {"prompt_token_ids": ids}
         if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt
+        self.check_prompt_logprobs([prompt], params, "prompt_logprobs")
         with constraint_errors(constraint):
-            streams = self.start(request_id, [prompt], params, req.stream, req.priority)
+            streams = await self.start(request_id, [prompt], params, req.stream, req.priority,
+                                       req.cache_salt)
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, model, streams[0], reading),
                                      media_type="text/event-stream")
@@ -175,11 +183,18 @@ class OpenAIServingChat(OpenAIServing):
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                           total_tokens=num_prompt + num_completion,
                           prompt_tokens_details=self.prompt_details(out.num_cached_tokens))
-        body = ChatCompletionResponse(
-            id=request_id, model=model, choices=choices, usage=usage,
-            prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs)
-            if req.prompt_logprobs is not None else None)
-        return JSONResponse(body.model_dump())
+
+        body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        if req.prompt_logprobs is None:
+            return JSONResponse(body.model_dump())
+
+        def build() -> dict:
+            dumped = body.model_dump()
+            dumped["prompt_logprobs"] = plain_prompt_logprobs(
+                shaped_prompt_logprobs(out.prompt_logprobs, self.tokenizer))
+            return dumped
+
+        return await self.respond(build)  # decoding the scored prompt: off the loop
 
     def chat_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs,
                       top_n: int) -> ChatLogprobs:

@@ -11,8 +11,9 @@ from pagellm.engine.async_llm import RequestStream
 from pagellm.engine.input_processor import PromptType
 from pagellm.entrypoints.openai.prompt_logprobs import MIN_LOGPROB as _MIN_LOGPROB
 from pagellm.entrypoints.openai.prompt_logprobs import (
-    prompt_logprobs_json,
+    plain_prompt_logprobs,
     resolve_prompt_logprobs,
+    shaped_prompt_logprobs,
     without_generation,
 )
 from pagellm.entrypoints.openai.protocol import (
@@ -85,33 +86,49 @@ class OpenAIServingCompletion(OpenAIServing):
         # echo with max_tokens 0 scores the prompt without generating (lm-eval, as vLLM): the
         # engine samples one token to finish the request, and the answer leaves it out.
         echo_only = req.echo and req.max_tokens == 0
-        structured, constraint = resolve_structured_outputs(req)
+        structured, constraint = resolve_structured_outputs(req, limits=self.limits)
         params = self.sampling_params(
             req, 1 if echo_only else req.max_tokens, req.logprobs,
             resolve_prompt_logprobs(req.prompt_logprobs, req.echo, req.logprobs), structured)
         prompts = await self.prompts(req)
+        self.check_prompt_logprobs(prompts, params, "prompt_logprobs"
+                                   if req.prompt_logprobs is not None else "logprobs")
         with constraint_errors(constraint):
-            streams = self.start(request_id, prompts, params, req.stream, req.priority)
+            streams = await self.start(request_id, prompts, params, req.stream, req.priority,
+                                       req.cache_salt)
         if req.stream:
             return StreamingResponse(self._stream(req, request_id, model, streams),
                                      media_type="text/event-stream")
         outs = await final_outputs(streams)
-        choices, num_prompt, num_completion, num_cached = [], 0, 0, 0
-        for pi, out in enumerate(outs):
-            num_prompt += len(out.prompt_token_ids)
-            num_cached += out.num_cached_tokens
-            prompt_text = self._prompt_text(streams[pi]) if req.echo else ""
-            for c in out.outputs:
-                if echo_only:
-                    c = without_generation(c)
-                num_completion += len(c.token_ids)
-                choices.append(self._choice(req, pi * req.n + c.index, c, streams[pi],
-                                            prompt_text, 0, out.prompt_logprobs))
-        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                          total_tokens=num_prompt + num_completion,
-                          prompt_tokens_details=self.prompt_details(num_cached))
-        body = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
-        return JSONResponse(body.model_dump())
+
+        def build() -> dict:
+            choices, fields, num_prompt, num_completion, num_cached = [], [], 0, 0, 0
+            for pi, out in enumerate(outs):
+                num_prompt += len(out.prompt_token_ids)
+                num_cached += out.num_cached_tokens
+                prompt_text = self._prompt_text(streams[pi]) if req.echo else ""
+                scores = shaped_prompt_logprobs(out.prompt_logprobs, self.tokenizer)
+                field = plain_prompt_logprobs(scores) if req.prompt_logprobs is not None \
+                    else None
+                for c in out.outputs:
+                    if echo_only:
+                        c = without_generation(c)
+                    num_completion += len(c.token_ids)
+                    choices.append(self._choice(req, pi * req.n + c.index, c, streams[pi],
+                                                prompt_text, 0, scores))
+                    fields.append(field)
+            usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                              total_tokens=num_prompt + num_completion,
+                              prompt_tokens_details=self.prompt_details(num_cached))
+            body = CompletionResponse(id=request_id, model=model, choices=choices,
+                                      usage=usage).model_dump()
+            for choice, field in zip(body["choices"], fields, strict=True):
+                choice["prompt_logprobs"] = field
+            return body
+
+        if req.echo or params.prompt_logprobs is not None:  # decoding the prompt: off the loop
+            return await self.respond(build)
+        return JSONResponse(build())
 
     def _prompt_text(self, stream: RequestStream) -> str:
         if stream.prompt is not None:
@@ -123,16 +140,15 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_logprobs: PromptLogprobs | None = None) -> CompletionChoice:
         """``echo_text`` is prepended (the prompt, in the first chunk of an echoed choice);
         ``offset`` is the text offset where this piece starts; ``prompt_logprobs`` are the
-        prompt's scores (the echoed tokens' logprobs, and vLLM's field when asked)."""
+        prompt's scores (the echoed tokens' logprobs; vLLM's prompt_logprobs field is added to
+        the dumped body, see handle)."""
         logprobs = None
         if req.logprobs is not None:
             echo_ids = stream.prompt_token_ids if echo_text else []
             logprobs = self.completion_logprobs(c.token_ids, c.logprobs or [], echo_ids, offset,
                                                 prompt_logprobs, req.logprobs)
         return CompletionChoice(index=index, text=echo_text + c.text, logprobs=logprobs,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                prompt_logprobs=prompt_logprobs_json(prompt_logprobs)
-                                if req.prompt_logprobs is not None else None)
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
     def completion_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs,
                             echo_ids: list[int], offset: int,
@@ -189,7 +205,8 @@ class OpenAIServingCompletion(OpenAIServing):
             async for pi, out in merge_streams(streams):
                 cached[pi] = out.num_cached_tokens
                 if out.prompt_logprobs is not None:  # sent once, before any choice's echo
-                    prompt_scores[pi] = out.prompt_logprobs
+                    prompt_scores[pi] = await self.tokenizer_pool.run_decode(
+                        shaped_prompt_logprobs, out.prompt_logprobs, self.tokenizer)
                 for c in out.outputs:
                     if echo_only:
                         c = without_generation(c)

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from pagellm.engine.async_llm import (
@@ -24,6 +25,7 @@ from pagellm.engine.async_llm import (
 )
 from pagellm.engine.input_processor import PromptType
 from pagellm.entrypoints.openai.limits import ServerLimits
+from pagellm.entrypoints.openai.prompt_logprobs import prompt_logprob_entries
 from pagellm.entrypoints.openai.protocol import (
     PromptTokensDetails,
     SamplingFields,
@@ -42,6 +44,7 @@ from pagellm.entrypoints.openai.serving_errors import (
 from pagellm.errors import EngineSleepingError
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagellm.structured_output.compile_pool import CompilePoolFullError
 
 logger = logging.getLogger("pagellm")
 
@@ -61,6 +64,9 @@ class ServedModels:
         return name
 
 
+# Starlette's JSONResponse settings: compact, UTF-8, no NaN.
+_JSON_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+_JOIN_BATCH = 8192
 RETRY_AFTER_S = 1  # what a 503 for a full waiting queue tells clients to wait
 # What an absent field means, unless the model's generation_config.json says otherwise.
 _OPENAI_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
@@ -68,6 +74,9 @@ _OPENAI_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0
 # One thread, as vLLM's async tokenizer: a Hugging Face fast tokenizer raises "Already
 # borrowed" when one thread encodes while another changes its truncation or padding.
 DEFAULT_TOKENIZER_THREADS = 1
+# Decoding (which only reads the tokenizer) and building large answers: threads of their own, so
+# a scored prompt's megabytes never queue a new request's tokenization behind them.
+DEFAULT_DECODE_THREADS = 2
 _T = TypeVar("_T")
 
 
@@ -77,13 +86,23 @@ class TokenizerPool:
     fast tokenizer encodes without the GIL). Work of a request whose client left is dropped
     before it starts (awaiting a cancelled task cancels its queued job)."""
 
-    def __init__(self, tokenizer: Any, threads: int = DEFAULT_TOKENIZER_THREADS) -> None:
+    def __init__(self, tokenizer: Any, threads: int = DEFAULT_TOKENIZER_THREADS,
+                 decode_threads: int = DEFAULT_DECODE_THREADS) -> None:
         self.tokenizer = tokenizer
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="pagellm-tokenizer")
+        self.decode_executor = ThreadPoolExecutor(decode_threads,
+                                                  thread_name_prefix="pagellm-decode")
 
     async def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Tokenization or chat-template rendering (anything that encodes)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    async def run_decode(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Work that at most decodes: detokenizing, shaping logprobs, building answers."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.decode_executor,
+                                          functools.partial(fn, *args, **kwargs))
 
     async def encode(self, texts: list[str], add_special_tokens: bool = True
                      ) -> list[list[int]]:
@@ -96,6 +115,7 @@ class TokenizerPool:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.decode_executor.shutdown(wait=False, cancel_futures=True)
 
 
 class OpenAIServing:
@@ -163,19 +183,15 @@ class OpenAIServing:
                               "n")
         waiting = self.engine.num_unfinished_requests + num_seqs - running_cap
         if waiting > cap:
-            raise OpenAIError(503, f"The server is overloaded: the waiting queue is full "
-                              f"(--max-waiting-requests {cap}). Retry later.",
-                              code="server_overloaded",
-                              headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise retry_later(f"The server is overloaded: the waiting queue is full "
+                              f"(--max-waiting-requests {cap}).")
         token_cap = self.limits.max_num_queued_tokens
         queued = self.engine.num_prefill_tokens
         if token_cap is not None and queued >= token_cap:
             # vLLM's TTFT bound: a new prompt would wait behind this much prefill.
-            raise OpenAIError(503, f"The server is overloaded: the prefill queue is full "
+            raise retry_later(f"The server is overloaded: the prefill queue is full "
                               f"({queued} prompt tokens wait for their first token; "
-                              f"--max-num-queued-tokens {token_cap}). Retry later.",
-                              code="server_overloaded",
-                              headers={"Retry-After": str(RETRY_AFTER_S)})
+                              f"--max-num-queued-tokens {token_cap}).")
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None,
@@ -243,10 +259,76 @@ class OpenAIServing:
                 f"context length is {max_len} tokens and your request has {len(ids)} input "
                 f"tokens ({max_tokens} > {max_len} - {len(ids)}).", max_tokens_param)
 
-    def start(self, request_id: str, prompts: Sequence[PromptType], params: SamplingParams,
-              stream: bool, priority: int = 0) -> list[RequestStream]:
-        """Start every prompt, or none. The prompts are token ids checked by check_prompt, so
-        a ValueError from the engine here is a bug (a 500), not the client's fault."""
+    async def compile_structured(self, params: SamplingParams, cache_salt: str | None) -> None:
+        """Compile the request's grammar (if it has one) for its cache namespace on the engine's
+        grammar threads, so the event loop goes on meanwhile (the first one also builds
+        xgrammar's tokenizer info there); ``start`` awaits it, then adds the request without
+        compiling again. 503 with Retry-After while --max-structured-outputs-compiles compiles
+        are running or queued (code "server_overloaded"; a request for a spec already compiling
+        waits for it instead), or once the wait passes --structured-outputs-compile-timeout
+        (code "structured_outputs_compile_timeout": the compile goes on, and its grammar is
+        cached for the retry). A spec that does not compile raises ValueError (see
+        constraint_errors)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        lim = self.limits
+        try:
+            await self.engine.grammar_pool.compile(
+                spec, cache_salt or None, lim.structured_outputs_compile_timeout,
+                lim.max_structured_outputs_compiles)
+        except CompilePoolFullError:
+            raise retry_later(f"The server is overloaded: {lim.max_structured_outputs_compiles} "
+                              "structured-output grammars are compiling or queued "
+                              "(--max-structured-outputs-compiles).") from None
+        except TimeoutError:
+            # 503, not 400: the wait includes the queue, and the retry finds the grammar cached.
+            raise retry_later("The structured-output grammar did not compile within "
+                              f"{lim.structured_outputs_compile_timeout:g} s "
+                              "(--structured-outputs-compile-timeout); it goes on compiling.",
+                              "structured_outputs_compile_timeout") from None
+
+    def check_prompt_logprobs(self, prompts: Sequence[PromptType], params: SamplingParams,
+                              param: str) -> None:
+        """400 naming ``param`` when scoring the prompts (token ids) would return more than
+        --max-prompt-logprobs-entries entries: a 50 KiB request must not ask for a 10 MiB
+        answer."""
+        if params.prompt_logprobs is None:
+            return
+        entries = sum(prompt_logprob_entries(len(p["prompt_token_ids"]), params.prompt_logprobs)
+                      for p in prompts if isinstance(p, dict))
+        cap = self.limits.max_prompt_logprobs_entries
+        if entries > cap:
+            raise bad_request(
+                f"{param} would return up to {entries} prompt logprob entries (prompt tokens x "
+                f"(1 + {params.prompt_logprobs})), more than {cap} "
+                "(--max-prompt-logprobs-entries): score fewer or shorter prompts, or fewer top "
+                "tokens.", param)
+
+    async def respond(self, build: Callable[[], dict[str, Any]]) -> Response:
+        """``build()``'s JSON body, built and serialized off the event loop: with prompt
+        logprobs it decodes up to --max-prompt-logprobs-entries tokens into megabytes. The
+        encoder is json's Python one, which lets the loop's thread run between its pieces (the
+        C encoder would hold the GIL for the whole body)."""
+        def encode() -> Response:
+            pieces, batch = [], []
+            for chunk in _JSON_ENCODER.iterencode(build()):
+                batch.append(chunk)
+                if len(batch) == _JOIN_BATCH:  # one join of a million pieces holds the GIL
+                    pieces.append("".join(batch))
+                    batch.clear()
+            pieces.append("".join(batch))
+            return Response(content="".join(pieces).encode(), media_type="application/json")
+
+        return await self.tokenizer_pool.run_decode(encode)
+
+    async def start(self, request_id: str, prompts: Sequence[PromptType],
+                    params: SamplingParams, stream: bool, priority: int = 0,
+                    cache_salt: str | None = None) -> list[RequestStream]:
+        """Start every prompt, or none; the grammar (if any) compiles first, for
+        ``cache_salt``'s namespace (compile_structured: a spec that does not compile raises
+        ValueError). The prompts are token ids checked by check_prompt, so any other
+        ValueError from the engine here is a bug (a 500), not the client's fault."""
         if priority != 0 and self.engine.config.scheduler.policy != "priority":
             raise bad_request("priority needs a server started with --scheduling-policy "
                               "priority.", "priority")
@@ -256,13 +338,18 @@ class OpenAIServing:
             raise bad_request(f"stop_token_ids has token id {bad_stop[0]}, outside the "
                               f"vocabulary (size {vocab}).", "stop_token_ids")
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        self.check_capacity(len(prompts) * params.n)
+        num_seqs = len(prompts) * params.n
+        self.check_capacity(num_seqs)
+        if params.structured_outputs is not None:
+            await self.compile_structured(params, cache_salt)
+            self.check_capacity(num_seqs)  # the queue may have filled meanwhile
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(self.engine.add_request(rid, prompt, params, kind,
-                                                       priority=priority))
+                streams.append(self.engine.add_request(
+                    rid, prompt, params, kind, priority=priority,
+                    grammar_compiled=params.structured_outputs is not None))
         except BaseException:
             close_all(streams)
             raise
@@ -283,6 +370,12 @@ class OpenAIServing:
         if decoded is not None:
             return decoded
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def retry_later(reason: str, code: str = "server_overloaded") -> OpenAIError:
+    """A 503 with Retry-After: the request may succeed later as it is."""
+    return OpenAIError(503, f"{reason} Retry later.", code=code,
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def stream_usage_modes(options: StreamOptions | None) -> tuple[bool, bool]:

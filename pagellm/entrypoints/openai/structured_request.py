@@ -3,15 +3,21 @@
 Four spellings ask for a constraint: OpenAI's ``response_format``, vLLM's ``structured_outputs``,
 vLLM's older ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``, and (chat)
 a ``tool_choice`` that forces a call. One request may ask for one constraint; two are a 400
-naming both fields, never a silent pick."""
+naming both fields, never a silent pick.
+
+Each spec is checked against the server's caps (limits.py: bytes, choices or enum values, JSON
+depth) before anything parses or compiles it: what a spec costs to compile grows faster than
+its size."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from pagellm.entrypoints.openai.limits import ServerLimits, json_depth_exceeds
 from pagellm.entrypoints.openai.protocol_tools import ResponseFormat, StructuredOutputsRequest
 from pagellm.entrypoints.openai.serving_errors import OpenAIError, bad_request
 from pagellm.sampling_params import StructuredOutputsParams
@@ -48,11 +54,16 @@ def request_constraints(req: Any) -> list[Constraint]:
     return found
 
 
-def resolve_structured_outputs(req: Any, forced: Constraint | None = None
+def resolve_structured_outputs(req: Any, forced: Constraint | None = None,
+                               limits: ServerLimits | None = None
                                ) -> tuple[StructuredOutputsParams | None, Constraint | None]:
-    """The engine's params for ``req`` (plus ``forced``, a tool_choice's schema) and the
-    constraint they come from; None, None when it asks for none."""
+    """The engine's params for ``req`` (plus ``forced``, a tool_choice's schema, whose tools
+    plan_tools checked against the caps) and the constraint they come from; None, None when it
+    asks for none."""
     constraints = request_constraints(req)
+    limits = limits or ServerLimits()
+    for c in constraints:
+        check_spec_caps(c.kind, [c.value], c.param, limits)
     if forced is not None:
         constraints.append(forced)
     so: StructuredOutputsRequest | None = getattr(req, "structured_outputs", None)
@@ -92,6 +103,85 @@ def structured_outputs_params(constraints: list[Constraint], disable_any_whitesp
                                        disable_any_whitespace=disable_any_whitespace)
     except ValueError as e:
         raise constraint_error(e, c) from None
+
+
+def check_spec_caps(kind: str, values: Sequence[Any], field: str, limits: ServerLimits) -> None:
+    """A 400 naming ``field`` when a spec of ``kind`` (``values``: the spec, or the schemas a
+    forced tool_choice is made of, counted together) is past a cap. Values of the wrong type are
+    left for StructuredOutputsParams to refuse."""
+    param = field.split(".")[0]
+    num_bytes = num_choices = 0
+    for value in values:
+        num_bytes += _spec_bytes(value)
+        if num_bytes > limits.max_structured_outputs_spec_bytes:
+            raise bad_request(f"{field} is larger than "
+                              f"{limits.max_structured_outputs_spec_bytes} bytes "
+                              "(--max-structured-outputs-spec-bytes).", param)
+        if kind == "choice" and isinstance(value, list):
+            num_choices += len(value)
+        elif kind == "json":
+            depth, num_enum_values = _schema_shape(_parsed_schema(value, field, limits))
+            if depth > limits.max_structured_outputs_depth:
+                raise _too_deep(field, limits)
+            num_choices += num_enum_values
+    if num_choices > limits.max_structured_outputs_choices:
+        what = "choices" if kind == "choice" else "enum values"
+        raise bad_request(f"{field} has {num_choices} {what}, more than "
+                          f"{limits.max_structured_outputs_choices} "
+                          "(--max-structured-outputs-choices).", param)
+
+
+def _spec_bytes(value: Any) -> int:
+    """UTF-8 bytes of a spec: its text, a choice list's strings, a schema object's compact
+    JSON."""
+    if isinstance(value, str):
+        return len(value.encode(errors="surrogatepass"))
+    if isinstance(value, list):
+        return sum(_spec_bytes(c) for c in value if isinstance(c, str))
+    if isinstance(value, dict):
+        return _spec_bytes(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+    return 0
+
+
+def _parsed_schema(value: Any, field: str, limits: ServerLimits) -> Any:
+    """A schema sent as a string, parsed (None when it is not JSON: StructuredOutputsParams
+    says why). Its depth is scanned first: the body's depth check does not see into strings,
+    and json.loads recurses per level."""
+    if not isinstance(value, str):
+        return value
+    if json_depth_exceeds(value.encode(errors="surrogatepass"),
+                          limits.max_structured_outputs_depth):
+        raise _too_deep(field, limits)
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None
+
+
+def _too_deep(field: str, limits: ServerLimits) -> OpenAIError:
+    return bad_request(f"{field} nests deeper than {limits.max_structured_outputs_depth} levels "
+                       "(--max-structured-outputs-depth).", field.split(".")[0])
+
+
+def _schema_shape(schema: Any) -> tuple[int, int]:
+    """(JSON nesting depth, values in all its ``enum`` lists) of a parsed schema; no recursion,
+    so no depth is too deep for it."""
+    depth = num_enum_values = 0
+    stack = [(schema, 1)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, dict):
+            enum = value.get("enum")
+            if isinstance(enum, list):
+                num_enum_values += len(enum)
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        depth = max(depth, level)
+        stack.extend((child, level + 1) for child in children)
+    return depth, num_enum_values
 
 
 def constraint_error(error: ValueError, constraint: Constraint) -> OpenAIError:
