@@ -24,7 +24,12 @@ from pagellm.engine.core_proc import EngineCoreClient, EngineCoreOutputs
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputKind, OutputProcessor
 from pagellm.engine_args import EngineArgs
-from pagellm.errors import EngineDeadError, EngineSleepingError, RequestFailedError
+from pagellm.errors import (
+    EngineDeadError,
+    EngineSleepingError,
+    RequestFailedError,
+    WeightUpdateError,
+)
 from pagellm.metrics.logger import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
 from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.metrics.request_stats import IterationMetrics, RequestStatsTracker
@@ -190,11 +195,6 @@ class AsyncLLM:
             self._set_dead(f"The engine core process exited (exit code "
                            f"{self.core.proc.exitcode}).")
 
-    def take_out_of_service(self, reason: str) -> None:
-        """The engine can no longer serve correctly (a weight update that could not be undone):
-        fail every request from now on, as if it had died (the server then stops)."""
-        self._set_dead(f"The engine is out of service: {reason}")
-
     def _set_dead(self, message: str) -> None:
         if self.dead_error is not None:
             return
@@ -294,8 +294,15 @@ class AsyncLLM:
         """Load a safetensors checkpoint of the same architecture into the running engine, once
         the requests running when it arrives have finished (on the old weights); requests sent
         meanwhile wait and then run on the new ones. The prefix cache is reset. Raises
-        ValueError (naming model_path) for a path that is not such a checkpoint."""
-        return int(await self._call_utility("update_weights_from_disk", (model_path,)))
+        ValueError (naming model_path) for a path that is not such a checkpoint, nothing changed;
+        WeightUpdateError when the load failed midway: the previous weights restored, or, when
+        they could not be, the engine is taken out of service here too (as if it had died)."""
+        try:
+            return int(await self._call_utility("update_weights_from_disk", (model_path,)))
+        except WeightUpdateError as e:
+            if not e.restored:
+                self._set_dead(f"The engine is out of service: {e}")
+            raise
 
     async def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1) and the weights (level 2) once the requests running now

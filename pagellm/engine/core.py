@@ -251,7 +251,7 @@ class EngineCore:
         """``load_weights`` from a safetensors checkpoint of the same architecture (ValueError
         naming model_path for anything else, or for a tensor the model does not take: checked
         from the files' headers before any data is read); each rank reads the files itself."""
-        from pagellm.worker.weight_update import check_same_architecture, load_checkpoint
+        from pagellm.worker.weight_checkpoint import check_same_architecture, load_checkpoint
 
         self._check_in_service()
         files = check_same_architecture(self.config.model.hf_config, model_path)

@@ -76,7 +76,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any, raw_prompt_logprobs: bool = False) -> None:
         """``raw_prompt_logprobs``: prompt logprobs stay the engine's ``Logprobs`` records
         (RawPromptLogprobs), which the server turns into entries off its event loop
-        (prompt_logprobs.prompt_logprob_entries_of): up to ~100k entries a request."""
+        (prompt_logprobs.shaped_prompt_logprobs): up to ~100k entries a request."""
         self.tokenizer = tokenizer
         self.raw_prompt_logprobs = raw_prompt_logprobs
         self.requests: dict[str, RequestState] = {}

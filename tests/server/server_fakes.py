@@ -4,6 +4,7 @@ the spawned engine process (pytest puts this directory on sys.path, which spawn 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -71,6 +72,15 @@ async def fake_server(tokenizer: Any = None, limits: Any = None, health_max_step
         async with httpx.AsyncClient(transport=transport, base_url="http://pagellm",
                                      timeout=60) as client:
             yield client, engine
+
+
+def run_fake_server(coro_fn: Any, **server_kwargs: Any) -> Any:
+    """``coro_fn(client, engine)``'s result, run against a fresh fake_server(**server_kwargs)."""
+    async def main() -> Any:
+        async with fake_server(**server_kwargs) as (client, engine):
+            return await coro_fn(client, engine)
+
+    return asyncio.run(main())
 
 
 def next_token(last: int) -> int:

@@ -5,13 +5,12 @@ path stays under --allowed-weights-path whatever the path says."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
 
 import pytest
-from server_fakes import fake_server
+from server_fakes import run_fake_server
 from server_utils import REPO
 
 from pagellm.entrypoints.openai.admin_routes import AdminOptions, resolve_weights_path
@@ -38,11 +37,7 @@ def bearer(key: str) -> dict[str, str]:
 
 
 def run(coro_fn, **app_kwargs) -> None:
-    async def main() -> None:
-        async with fake_server(app_kwargs=app_kwargs) as (client, _):
-            await coro_fn(client)
-
-    asyncio.run(main())
+    run_fake_server(lambda client, _: coro_fn(client), app_kwargs=app_kwargs)
 
 
 def test_tenant_keys_get_403_and_admin_keys_run_the_route() -> None:

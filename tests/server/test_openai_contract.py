@@ -11,7 +11,8 @@ import re
 import threading
 
 import pytest
-from server_fakes import fake_server, make_tokenizer
+from server_fakes import make_tokenizer
+from server_fakes import run_fake_server as run
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.protocol import UNSUPPORTED_FIELDS
@@ -29,15 +30,6 @@ def body_for(path: str, **fields) -> dict:
     main = ({"messages": [{"role": "user", "content": "w3 w4"}]} if path == CHAT
             else {"prompt": [3, 4]})
     return {**main, "max_tokens": 2, **fields}
-
-
-def run(coro_fn, **server_kwargs):
-    """Run ``coro_fn(client, engine)`` against a fresh fake server."""
-    async def main():
-        async with fake_server(**server_kwargs) as (client, engine):
-            return await coro_fn(client, engine)
-
-    return asyncio.run(main())
 
 
 def post_all(requests: list[tuple[str, dict]], **server_kwargs) -> list:

@@ -7,20 +7,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from server_fakes import fake_server
+from server_fakes import run_fake_server as run
 
 from pagellm.entrypoints.openai import limits
 from pagellm.entrypoints.openai.cli_serve import add_serve_parser, server_limits_from
 
 COMPLETIONS = "/v1/completions"
-
-
-def run(coro_fn, **server_kwargs):
-    async def main():
-        async with fake_server(**server_kwargs) as (client, engine):
-            return await coro_fn(client, engine)
-
-    return asyncio.run(main())
 
 
 def body(**fields) -> dict:

@@ -11,7 +11,7 @@ import json
 import time
 
 import pytest
-from server_fakes import fake_server
+from server_fakes import run_fake_server as run
 
 from pagellm.entrypoints.openai.cli_serve import add_serve_parser, server_limits_from
 from pagellm.entrypoints.openai.limits import ServerLimits
@@ -25,14 +25,6 @@ SLOW_SCHEMA = {"type": "object", "required": ["x"],
                "properties": {"x": {"enum": [f"value-{i:06d}" for i in range(20_000)]}}}
 # Caps that let SLOW_SCHEMA through (it is past the defaults).
 ROOMY = {"max_structured_outputs_spec_bytes": 2**20, "max_structured_outputs_choices": 50_000}
-
-
-def run(coro_fn, **server_kwargs):
-    async def main():
-        async with fake_server(**server_kwargs) as (client, engine):
-            return await coro_fn(client, engine)
-
-    return asyncio.run(main())
 
 
 def completion(**fields) -> dict:

@@ -89,11 +89,9 @@ def add_admin_routes(app: FastAPI, engine: AsyncLLM, options: AdminOptions,
             # ...nor where a symlink under the root leads: the client's own spelling.
             raise bad_request(str(e).replace(repr(path), repr(given)), "model_path") from e
         except WeightUpdateError as e:
-            # Weights changed and then the load failed: restored, or out of service (then the
-            # server stops serving, as when its engine dies, for the orchestrator to restart).
+            # Weights changed and then the load failed: restored, or out of service (AsyncLLM
+            # then counts the engine dead: the server stops, for the orchestrator to restart).
             logger.error("update_weights_from_disk(%r) failed: %s", path, e)
-            if not e.restored:
-                engine.take_out_of_service(str(e))
             raise OpenAIError(500 if e.restored else 503, str(e),
                               code="weights_restored" if e.restored
                               else "engine_out_of_service") from e

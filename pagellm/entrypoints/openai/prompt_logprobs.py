@@ -8,7 +8,7 @@ from typing import Any
 
 from pagellm.engine.detokenizer import decode_token
 from pagellm.engine.output_processor import logprob_entry
-from pagellm.outputs import CompletionOutput, Logprob, PromptLogprobs, RawPromptLogprobs
+from pagellm.outputs import CompletionOutput, PromptLogprobs, RawPromptLogprobs
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 PlainPromptLogprobs = list[dict[str, dict[str, Any]] | None]
@@ -39,11 +39,11 @@ def prompt_logprob_entries(num_prompt_tokens: int, num_top: int) -> int:
     return num_prompt_tokens * (num_top + 1)
 
 
-def shaped_prompt_logprobs(prompt_logprobs: PromptLogprobs | RawPromptLogprobs | None,
-                           tokenizer: Any) -> PromptLogprobs | None:
+def shaped_prompt_logprobs(prompt_logprobs: RawPromptLogprobs | None, tokenizer: Any
+                           ) -> PromptLogprobs | None:
     """Entries with their ``decoded_token``, from what AsyncLLM's outputs carry: the engine's
-    records (RawPromptLogprobs) or entries. Up to ~100k entries a request: run it off the event
-    loop. Each distinct token id is decoded once."""
+    records (RawPromptLogprobs). Up to ~100k entries a request: run it off the event loop. Each
+    distinct token id is decoded once."""
     if prompt_logprobs is None:
         return None
     texts: dict[int, str] = {}
@@ -53,16 +53,7 @@ def shaped_prompt_logprobs(prompt_logprobs: PromptLogprobs | RawPromptLogprobs |
             texts[tid] = decode_token(tokenizer, tid)
         return texts[tid]
 
-    out: PromptLogprobs = []
-    for entry in prompt_logprobs:
-        if entry is None:
-            out.append(None)
-        elif isinstance(entry, dict):
-            out.append({tid: lp if lp.decoded_token is not None else
-                        Logprob(lp.logprob, lp.rank, text(tid)) for tid, lp in entry.items()})
-        else:
-            out.append(logprob_entry(entry, text))
-    return out
+    return [None if rec is None else logprob_entry(rec, text) for rec in prompt_logprobs]
 
 
 def plain_prompt_logprobs(prompt_logprobs: PromptLogprobs | None) -> PlainPromptLogprobs | None:
