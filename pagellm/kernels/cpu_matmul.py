@@ -53,7 +53,15 @@ def cpu_matmul_kind(weight: torch.Tensor, bias: torch.Tensor | None) -> str | No
         return None
     if cpu_ops.linear_packed_supports(weight):
         return "packed"
-    return "onednn" if torch.backends.mkldnn.is_available() else None
+    return "onednn" if onednn_supports(weight.dtype) else None
+
+
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's blocked layout serves this dtype here: bfloat16 needs AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT, so an AVX2-only CPU leaves bfloat16 weights to ``F.linear``."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 # (x, the weight as CpuMatmul.pack returned it, bias) -> x @ W^T + bias

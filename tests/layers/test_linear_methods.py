@@ -98,3 +98,20 @@ def test_no_cpu_kernel_when_disabled(monkeypatch) -> None:
     monkeypatch.setenv("PAGELLM_CPU_KERNELS", "0")
     w = torch.randn(64, 64).to(torch.bfloat16)
     assert choose_cpu_matmul(w, None) is None
+
+
+def test_bfloat16_weights_skip_onednn_where_the_cpu_lacks_bf16(monkeypatch) -> None:
+    """oneDNN's bf16 reorder raises on an AVX2-only CPU: the weight must be left to F.linear
+    there (and packed where oneDNN can), not crash the model's load."""
+    from pagellm.kernels import cpu_matmul, cpu_ops
+
+    w = torch.randn(64, 64).to(torch.bfloat16)
+    monkeypatch.setattr(cpu_ops, "linear_supports", lambda weight: False)
+    monkeypatch.setattr(cpu_ops, "linear_packed_supports", lambda weight: False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert cpu_matmul.cpu_matmul_kind(w, None) is None
+    assert cpu_matmul.cpu_matmul_kind(w.float(), None) == (
+        "onednn" if torch.backends.mkldnn.is_available() else None)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert cpu_matmul.cpu_matmul_kind(w, None) == (
+        "onednn" if torch.backends.mkldnn.is_available() else None)
