@@ -60,6 +60,12 @@ class EnvSettings:
     api_key: str | None = None  # PAGELLM_API_KEY
     admin_api_key: str | None = None  # PAGELLM_ADMIN_API_KEY
     openai_api_key: str | None = None  # OPENAI_API_KEY (`pagellm bench serve`'s fallback)
+    # OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (else OTEL_EXPORTER_OTLP_PROTOCOL): how
+    # --otlp-traces-endpoint exports, grpc (default, as vLLM) or http/protobuf
+    otlp_traces_protocol: str = "grpc"
+    # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: KV events carry the 32-byte block digests instead
+    # of vLLM's default 64-bit integers (engine/kv_events.py)
+    kv_events_int_block_hashes: bool = True
 
 
 def read_env(environ: Any = None) -> EnvSettings:
@@ -86,6 +92,9 @@ def read_env(environ: Any = None) -> EnvSettings:
         api_key=env.get("PAGELLM_API_KEY") or None,
         admin_api_key=env.get("PAGELLM_ADMIN_API_KEY") or None,
         openai_api_key=env.get("OPENAI_API_KEY") or None,
+        otlp_traces_protocol=(env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                              or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip(),
+        kv_events_int_block_hashes=flag("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1"),
     )
 
 
@@ -179,6 +188,20 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int
+    # Data parallelism (vLLM's names; engine/data_parallel.py): data_parallel_size engines, each
+    # with its own KV cache and TP group. data_parallel_rank: this engine's rank, which is its
+    # index in metrics and KV events (a server's front end holds rank 0 unless external).
+    # data_parallel_external_lb (--data-parallel-rank): this server runs that one rank only.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_external_lb: bool = False
+
+    @property
+    def engine_ranks(self) -> tuple[int, ...]:
+        """The data-parallel ranks a server with this config runs an engine for."""
+        if self.data_parallel_external_lb:
+            return (self.data_parallel_rank,)
+        return tuple(range(self.data_parallel_size))
 
 
 @dataclass(frozen=True)
@@ -200,6 +223,11 @@ class EngineConfig:
     structured_outputs_backend: str = "auto"  # STRUCTURED_OUTPUTS_BACKENDS
     # pagellm.spec_decode.config.SpeculativeConfig (--speculative-config), or None: off.
     speculative_config: Any = None
+    # pagellm.kv_events_config.KVEventsConfig (--kv-events-config), or None: no KV events.
+    kv_events_config: Any = None
+    # --logits-processors: plugin class names (sample/logits_processors.py), loaded by the
+    # model runner that samples.
+    logits_processors: tuple[str, ...] = ()
     env: EnvSettings = EnvSettings()  # the environment's settings when the config was made
 
 

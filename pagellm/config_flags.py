@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -109,3 +110,25 @@ def check_choices(obj: Any) -> None:
         if value not in opt.choices:
             raise ValueError(f"{flag_name(f)} must be one of "
                              f"{', '.join(map(str, opt.choices))}, got {value!r}.")
+
+
+def json_object_flag(value: str | dict, flag: str, keys: Iterable[str], example: str
+                     ) -> dict[str, Any] | None:
+    """A JSON-object flag's value (a JSON string or a dict) as a dict whose keys are all among
+    ``keys``; None for an empty string. ValueError naming ``flag`` (``example`` shows a valid
+    value) on bad JSON, a non-object, or unknown keys."""
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag}: not valid JSON ({e}); e.g. '{example}'.") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {type(value).__name__}.")
+    allowed = tuple(keys)
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise ValueError(f"{flag}: unknown key(s) {', '.join(map(repr, unknown))}; the keys "
+                         f"are {', '.join(allowed)}.")
+    return value

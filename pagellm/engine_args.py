@@ -51,6 +51,9 @@ from pagellm.config_flags import (
     from_namespace,
     option,
 )
+from pagellm.engine.data_parallel import check_data_parallel
+from pagellm.kv_events_config import check_kv_events_combination, parse_kv_events_config
+from pagellm.sample.logits_processors import check_logits_processors
 from pagellm.spec_decode.config import check_speculative_combination, parse_speculative_config
 
 
@@ -99,6 +102,15 @@ class EngineArgs:
     tensor_parallel_size: int = option(
         1, "ranks the model is split over (one process each; on CUDA one GPU each)",
         aliases=("-tp",))
+    data_parallel_size: int = option(
+        1, "engines serving the model, each with its own KV cache and -tp ranks; `pagellm "
+        "serve` balances requests over them behind one port (on CUDA rank r takes GPUs "
+        "r*tp..r*tp+tp-1; on CPU the engines split the cores and each takes its own "
+        "--kv-cache-memory)", aliases=("-dp",))
+    data_parallel_rank: int | None = option(
+        None, "run only this rank (0..N-1) of a --data-parallel-size N deployment: one server "
+        "per rank behind your own load balancer; the rank labels its metrics and KV events",
+        aliases=("-dpn",))
     seed: int = option(0, "seed of the engine's random state")
     device: str = option("auto", "auto, cpu or cuda[:N]")
     load_format: str = option(
@@ -139,6 +151,16 @@ class EngineArgs:
         False, "overlap scheduling and output processing with the model: step N+1 is scheduled "
         "and submitted before step N's tokens are processed (requests with structured outputs "
         "run synchronous steps)")
+    kv_events_config: str | dict | None = option(
+        None, "publish KV cache events (blocks stored, removed, cache cleared) over ZMQ for "
+        "prefix-aware routers, as a JSON object with vLLM's keys, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+        '"tcp://*:5558"}\'; needs --enable-prefix-caching (see docs/prefix_caching.md)',
+        parse=str)  # parsed in create_engine_config
+    logits_processors: list[str] | None = option(
+        None, "logits processor plugin classes, by fully qualified name (package.module:Class "
+        "or package.module.Class), loaded at start-up; they read a request's vllm_xargs (see "
+        "docs/serving.md)", nargs="+", parse=str)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -186,9 +208,15 @@ class EngineArgs:
                              f"{self.tensor_parallel_size}.")
         check_choices(self)  # --dtype, --load-format, --attention-backend, ...
         speculative = parse_speculative_config(self.speculative_config)
+        kv_events = parse_kv_events_config(self.kv_events_config)
+        check_kv_events_combination(kv_events, self.enable_prefix_caching)
         # Also refuses --async-scheduling with it.
         check_speculative_combination(speculative, self.tensor_parallel_size,
                                       self.async_scheduling)
+        processors = check_logits_processors(self.logits_processors or ())
+        if processors and speculative is not None:
+            raise ValueError("--logits-processors and --speculative-config cannot be used "
+                             "together: the rejection sampler does not run the plugins.")
         from pagellm.layers.quantization import parse_quantization
 
         quant = parse_quantization(self.quantization)  # ValueError names --quantization
@@ -201,6 +229,8 @@ class EngineArgs:
         generation = load_generation_config(self.generation_config, source, hf_config)
         dtype = resolve_dtype(self.dtype, hf_config, device)
         check_tensor_parallel(self.tensor_parallel_size, hf_config, device, self.device)
+        check_data_parallel(self.data_parallel_size, self.data_parallel_rank,
+                            self.tensor_parallel_size, device, self.device)
 
         max_model_len, max_num_seqs, max_num_batched_tokens = resolve_scheduler_limits(
             self, model_context_len(hf_config), env)
@@ -230,13 +260,19 @@ class EngineArgs:
                 max_model_len=max_model_len, policy=self.scheduling_policy,
                 async_scheduling=self.async_scheduling,
                 long_prefill_token_threshold=self.long_prefill_token_threshold),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                data_parallel_rank=self.data_parallel_rank or 0,
+                data_parallel_external_lb=self.data_parallel_rank is not None),
             device=DeviceConfig(device=device, attention_backend=self.attention_backend),
             enforce_eager=self.enforce_eager,
             enable_sleep_mode=self.enable_sleep_mode,
             disable_log_stats=self.disable_log_stats,
             structured_outputs_backend=self.structured_outputs_backend,
             speculative_config=speculative,
+            kv_events_config=kv_events,
+            logits_processors=processors,
             env=env,
         )
 

@@ -22,6 +22,12 @@ class RequestFailedError(RuntimeError):
         self.outputs = outputs
 
 
+class RequestIdInUseError(ValueError):
+    """A new request's id (or one of its samples' ids) is that of a request in flight: the
+    engine could not tell the two apart, so the new one is refused, nothing changed. The server
+    answers 400 (the id came from the client's X-Request-Id)."""
+
+
 class EngineStepsFailedError(RuntimeError):
     """Too many model steps in a row raised: the engine stops instead of failing every
     request that comes (see EngineCore.MAX_CONSECUTIVE_STEP_FAILURES)."""

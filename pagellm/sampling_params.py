@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pagellm.structured_output.params import StructuredOutputsParams
 
@@ -49,8 +50,18 @@ class SamplingParams:
     # Constrain the output (JSON schema, regex, choice, EBNF grammar, JSON object); see
     # pagellm/structured_output/ and docs/structured_output.md.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: words never generated (each word's token sequences, with and without a leading
+    # space, are banned; sample/bad_words.py), and the only token ids that may be sampled.
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: keep only the last k prompt tokens (-1: the last max_model_len); None: all.
+    truncate_prompt_tokens: int | None = None
+    # Arguments for --logits-processors plugins (a request's vllm_xargs), JSON values.
+    extra_args: dict[str, Any] | None = None
     # Filled by the engine: every stop string as a list, and the eos-equivalent token ids.
     _stop_strs: list[str] = field(default_factory=list, repr=False, init=False)
+    # Filled by the engine (InputProcessor) from bad_words with the tokenizer.
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, init=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -68,6 +79,10 @@ class SamplingParams:
     @property
     def stop_strs(self) -> list[str]:
         return self._stop_strs
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        return self._bad_words_token_ids
 
     @property
     def greedy(self) -> bool:
@@ -134,7 +149,28 @@ class SamplingParams:
                     bad("logit_bias", "keys must be non-negative token ids")
                 if not isinstance(b, int | float) or not -100.0 <= float(b) <= 100.0:
                     bad("logit_bias", "values must be in [-100, 100]")
+        self._validate_lists(bad)
+
+    def _validate_lists(self, bad: Any) -> None:
+        if self.bad_words is not None and (
+                not isinstance(self.bad_words, list)
+                or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            bad("bad_words", "must be a list of non-empty strings")
+        ids = self.allowed_token_ids
+        if ids is not None and (not isinstance(ids, list) or not ids or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids)):
+            bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool)
+                              or not (k == -1 or k >= 1)):
+            bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 (max_model_len)")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            bad("extra_args", "must be a dict")
 
     def clone(self, **changes: object) -> SamplingParams:
-        """A copy with some fields changed (validated again)."""
-        return replace(self, **changes)  # type: ignore[arg-type]
+        """A copy with some fields changed (validated again); the engine-filled bad-word ids
+        stay unless bad_words changes."""
+        copy = replace(self, **changes)  # type: ignore[arg-type]
+        if "bad_words" not in changes:
+            copy._bad_words_token_ids = self._bad_words_token_ids
+        return copy

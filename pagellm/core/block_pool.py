@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pagellm.core.block_hash import BlockHash
+from pagellm.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 # NOTE: eq=False: blocks compare by identity (field equality would walk the free links).
@@ -105,11 +106,19 @@ class BlockPool:
     when ``get_new_blocks`` hands it out again (lazy eviction, least recently freed first). With
     ``enable_caching=False`` a block drops its hash as soon as its ref count reaches 0, so hashed
     blocks (the n>1 siblings' shared prompt) are shared only while some request holds them.
+
+    KV cache events (``enable_kv_cache_events``, with caching on; core/kv_events.py): every
+    hash entering the map is recorded as a ``BlockStored``, every hash leaving it (eviction on
+    reuse, ``uncache_blocks``) as a ``BlockRemoved``, a reset as ``AllBlocksCleared``, so the
+    events replayed in order give exactly the map's keys. ``take_events`` drains them.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 enable_kv_cache_events: bool = False, block_size: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}.")
+        if enable_kv_cache_events and (block_size is None or block_size < 1):
+            raise ValueError("KV cache events need the block size (the tokens of a block).")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -117,6 +126,10 @@ class BlockPool:
         # NOTE: one block per hash. A second block with the same content (computed while the
         # first was cached) stays unhashed, so the map always points at the block holding a hash.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.block_size = block_size
+        # Events since the last take_events(); None when not recording (the only cost then).
+        self.kv_event_queue: list[KVCacheEvent] | None = (
+            [] if enable_kv_cache_events and enable_caching else None)
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -134,10 +147,15 @@ class BlockPool:
         A taken block that still carries a hash is evicted from the prefix cache right here.
         """
         blocks = self.free_block_queue.popleft_n(num_blocks)
+        removed: list[BlockHash] | None = [] if self.kv_event_queue is not None else None
         for block in blocks:
             assert block.ref_cnt == 0
-            self._drop_hash(block)
+            evicted = self._drop_hash(block)
+            if evicted is not None and removed is not None:
+                removed.append(evicted)
             block.ref_cnt = 1
+        if removed:
+            self._record(BlockRemoved(removed))
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -172,13 +190,16 @@ class BlockPool:
         block_hashes: list[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
+        token_ids: Sequence[int] | None = None,
     ) -> list[KVCacheBlock]:
         """Enter ``blocks[num_cached_blocks:num_full_blocks]`` (a request's full blocks) into the
         hash map under ``block_hashes[i]``. Blocks that are prefix hits already carry their hash;
         a block whose hash is already mapped to another block stays unhashed (no dedup).
-        Returns the blocks that got a hash here."""
+        Returns the blocks that got a hash here. ``token_ids``: the request's tokens (at least
+        the full blocks'), needed only when KV cache events are recorded."""
         assert num_full_blocks <= len(blocks) and num_full_blocks <= len(block_hashes)
         hashed = []
+        stored: list[int] | None = [] if self.kv_event_queue is not None else None
         for i in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[i], block_hashes[i]
             if block.block_hash is not None:
@@ -189,12 +210,22 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
             hashed.append(block)
+            if stored is not None:
+                stored.append(i)
+        if stored:
+            assert token_ids is not None, "KV cache events need the blocks' token ids"
+            self._record_stored(block_hashes, stored, token_ids)
         return hashed
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take these blocks out of the prefix cache (their K/V was never written)."""
+        removed: list[BlockHash] = []
         for block in blocks:
-            self._drop_hash(block)
+            evicted = self._drop_hash(block)
+            if evicted is not None:
+                removed.append(evicted)
+        if removed and self.kv_event_queue is not None:
+            self._record(BlockRemoved(removed))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (returns False, changes nothing) while any block is
@@ -204,14 +235,49 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.kv_event_queue is not None:
+            self._record(AllBlocksCleared())
         return True
 
-    def _drop_hash(self, block: KVCacheBlock) -> None:
-        if block.block_hash is None:
-            return
-        if self.cached_block_hash_to_block.get(block.block_hash) is block:
-            del self.cached_block_hash_to_block[block.block_hash]
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV cache events recorded since the last call, oldest first (empty when off)."""
+        events = self.kv_event_queue
+        if not events:
+            return []
+        self.kv_event_queue = []
+        return events
+
+    def _record(self, event: KVCacheEvent) -> None:
+        assert self.kv_event_queue is not None
+        self.kv_event_queue.append(event)
+
+    def _record_stored(self, block_hashes: Sequence[BlockHash], indices: list[int],
+                       token_ids: Sequence[int]) -> None:
+        """One BlockStored per run of consecutive newly hashed blocks (``indices``, ascending),
+        so each event is one chain: a block skipped as already mapped breaks the run."""
+        bs = self.block_size
+        assert bs is not None
+        start = prev = indices[0]
+        for i in [*indices[1:], -1]:
+            if i == prev + 1:
+                prev = i
+                continue
+            self._record(BlockStored(
+                block_hashes=list(block_hashes[start:prev + 1]),
+                parent_block_hash=block_hashes[start - 1] if start > 0 else None,
+                token_ids=list(token_ids[start * bs:(prev + 1) * bs]), block_size=bs))
+            start = prev = i
+
+    def _drop_hash(self, block: KVCacheBlock) -> BlockHash | None:
+        """Take the block's hash off it; returns the hash if it left the map with it."""
+        block_hash = block.block_hash
+        if block_hash is None:
+            return None
         block.block_hash = None
+        if self.cached_block_hash_to_block.get(block_hash) is block:
+            del self.cached_block_hash_to_block[block_hash]
+            return block_hash
+        return None
 
     def check_invariants(self) -> None:
         """Assert the pool's structure (O(num_blocks); for tests and debugging)."""

@@ -13,6 +13,7 @@ from pagellm.core.block_hash import (
 )
 from pagellm.core.block_pool import BlockPool, KVCacheBlock
 from pagellm.core.kv_cache_groups import num_skipped_blocks
+from pagellm.core.kv_events import KVCacheEvent
 from pagellm.request import Request
 
 logger = logging.getLogger("pagellm")
@@ -51,6 +52,7 @@ class KVCacheManager:
         hash_algo: str = "sha256",
         max_model_len: int | None = None,
         group_windows: list[int | None] | None = None,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
@@ -69,7 +71,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
         self.hash_fn = get_hash_fn(hash_algo)
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        # KV cache events (--kv-events-config) are recorded by the pool, with caching on only.
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events,
+                                    block_size)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         # req_id -> number of its leading blocks already offered to the hash map.
@@ -188,7 +192,7 @@ class KVCacheManager:
             num_cached = self.num_cached_blocks.get(req_id, 0)
             if num_full > num_cached:
                 self._hashed_this_step += self.block_pool.cache_full_blocks(
-                    req_blocks, hashes, num_cached, num_full)
+                    req_blocks, hashes, num_cached, num_full, request.all_token_ids)
                 self.num_cached_blocks[req_id] = num_full
         return new_blocks
 
@@ -264,3 +268,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The block pool's KV cache events since the last call (engine/kv_events.py)."""
+        return self.block_pool.take_events()

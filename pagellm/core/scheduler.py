@@ -65,10 +65,12 @@ class Scheduler:
         num_blocks: int,
         kv_group_windows: list[int | None] | None = None,
         speculative_config: Any = None,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         """``kv_group_windows``: the sliding window of each KV cache group
         (core/kv_cache_groups.py; None: one group of full attention). ``speculative_config``:
-        a SpeculativeConfig (spec_decode/config.py) or None."""
+        a SpeculativeConfig (spec_decode/config.py) or None. ``enable_kv_cache_events``: the
+        block pool records KV cache events (taken with ``kv_cache_manager.take_events()``)."""
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -81,6 +83,7 @@ class Scheduler:
             hash_algo=getattr(cache_config, "prefix_caching_hash_algo", "sha256"),
             max_model_len=self.max_model_len,
             group_windows=kv_group_windows,
+            enable_kv_cache_events=enable_kv_cache_events,
         )
         self.policy = getattr(scheduler_config, "policy", "fcfs")
         self.async_scheduling = getattr(scheduler_config, "async_scheduling", False)

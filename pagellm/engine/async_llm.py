@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from pagellm.config import EngineConfig
 from pagellm.engine.core_proc import EngineCoreClient, EngineCoreOutputs
+from pagellm.engine.dp_client import DPEngineCoreClient, combine_weight_updates, make_core_client
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputKind, OutputProcessor
 from pagellm.engine_args import EngineArgs
@@ -28,9 +29,12 @@ from pagellm.errors import (
     EngineDeadError,
     EngineSleepingError,
     RequestFailedError,
+    RequestIdInUseError,
     WeightUpdateError,
 )
+from pagellm.metrics.cache_info import cache_config_info
 from pagellm.metrics.logger import DEFAULT_LOG_INTERVAL_S, LoggingStatLogger
+from pagellm.metrics.metric_specs import DEFAULT_METRIC_NAMES, prefixes
 from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.metrics.request_stats import IterationMetrics, RequestStatsTracker
 from pagellm.metrics.stats import SchedulerStats
@@ -94,7 +98,8 @@ class AsyncLLM:
                  log_requests: bool = False, max_log_len: int | None = None,
                  stat_log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
                  core_factory: Any = None, tokenizer: Any = None,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None,
+                 metric_names: str = DEFAULT_METRIC_NAMES) -> None:
         if tokenizer is None:
             from pagellm.engine.llm_engine import load_tokenizer_and_eos
 
@@ -111,10 +116,7 @@ class AsyncLLM:
         # server, off the event loop this runs on.
         self.output_processor = OutputProcessor(tokenizer, raw_prompt_logprobs=True)
         self.request_stats = RequestStatsTracker()
-        spec = config.speculative_config
-        self.prometheus = PrometheusStatLogger(
-            config.model.served_model_name, config.model.max_model_len,
-            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
+        prefixes(metric_names)  # a bad --metrics-names fails before the engine starts
         self.stat_logger = LoggingStatLogger() if log_stats else None
         self.stat_log_interval_s = stat_log_interval_s
         self.scheduler_stats = SchedulerStats()
@@ -130,7 +132,24 @@ class AsyncLLM:
         # When the engine last made progress (sent a step's outputs) or, if later, when work
         # became pending: a wedged engine shows as this growing while requests are in flight.
         self._last_progress = time.monotonic()
-        self.core = EngineCoreClient(config, eos_token_id, core_factory)
+        self.core = core = make_core_client(config, eos_token_id, core_factory)
+        # Data parallelism (--data-parallel-size N): N engines, each with its own output
+        # socket; self._dp routes requests over them. One engine: the client itself.
+        self._dp = core if isinstance(core, DPEngineCoreClient) else None
+        self.engines: list[EngineCoreClient] = (
+            core.engines if isinstance(core, DPEngineCoreClient) else [core])
+        parallel = getattr(config, "parallel", None)  # test doubles' configs lack it
+        # Each engine's index in the metrics' engine label: its data-parallel rank.
+        self.engine_indexes: tuple[int, ...] = parallel.engine_ranks if parallel else (0,)
+        spec = config.speculative_config
+        # Built once the engine is up: cache_config_info carries its KV block count.
+        cache = getattr(config, "cache", None)  # test doubles' configs lack it
+        self.prometheus = PrometheusStatLogger(
+            config.model.served_model_name, config.model.max_model_len,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            engine_indexes=self.engine_indexes, metric_names=metric_names,
+            cache_config_info=None if cache is None else cache_config_info(
+                cache, self.core.info.get("num_blocks")))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -165,11 +184,13 @@ class AsyncLLM:
         if self._loop is not None:
             return
         loop = self._loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self._output_handler(), name="pagellm-output"))
+        for i, engine in enumerate(self.engines):
+            self._tasks.append(loop.create_task(self._output_handler(i),
+                                                name=f"pagellm-output{self._rank_name(i)}"))
+            # The process sentinel becomes readable when the engine exits, however it exits.
+            loop.add_reader(engine.proc.sentinel, self._on_engine_exit, i)
         if self.stat_logger is not None:
             self._tasks.append(loop.create_task(self._log_stats_loop(), name="pagellm-stats"))
-        # The process sentinel becomes readable when the engine exits, however it exits.
-        loop.add_reader(self.core.proc.sentinel, self._on_engine_exit)
 
     async def aclose(self) -> None:
         """Stop the background tasks and the engine process."""
@@ -183,17 +204,25 @@ class AsyncLLM:
     def shutdown(self) -> None:
         self._closing = True
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self.core.proc.sentinel)
+            for engine in self.engines:
+                self._loop.remove_reader(engine.proc.sentinel)
         self.grammar_pool.shutdown()
         self.core.shutdown()
 
-    def _on_engine_exit(self) -> None:
+    def _rank_name(self, i: int) -> str:
+        """"" for a single engine; " of data-parallel rank R" for engine ``i`` of several."""
+        return "" if self._dp is None else f" of data-parallel rank {self.engine_indexes[i]}"
+
+    def _on_engine_exit(self, i: int = 0) -> None:
         assert self._loop is not None
-        self._loop.remove_reader(self.core.proc.sentinel)
+        proc = self.engines[i].proc
+        self._loop.remove_reader(proc.sentinel)
         if not self._closing:
-            self.core.proc.join(1.0)  # the sentinel can fire just before the exit status is in
-            self._set_dead(f"The engine core process exited (exit code "
-                           f"{self.core.proc.exitcode}).")
+            proc.join(1.0)  # the sentinel can fire just before the exit status is in
+            # One engine of several gone: the server is dead too (its share of the requests
+            # would fail), so /health fails and the server exits for a restart.
+            self._set_dead(f"The engine core process{self._rank_name(i)} exited (exit code "
+                           f"{proc.exitcode}).")
 
     def _set_dead(self, message: str) -> None:
         if self.dead_error is not None:
@@ -216,6 +245,8 @@ class AsyncLLM:
     def seconds_without_progress(self) -> float:
         """How long requests have been in flight with no engine step completing (0 while
         none are in flight): a wedged step, a hung device, a deadlock in the engine."""
+        if self._dp is not None:
+            return self._dp.seconds_without_progress()
         if not self.num_unfinished_requests:
             return 0.0
         return time.monotonic() - self._last_progress
@@ -235,7 +266,7 @@ class AsyncLLM:
                                       "training): POST /wake_up first, then retry.")
         self.start()
         if request_id in self.output_processor.requests:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
+            raise RequestIdInUseError(f"Request id {request_id!r} is already in use.")
         processed, children = self.input_processor.process(request_id, prompt, params,
                                                            arrival_time, priority,
                                                            grammar_compiled)
@@ -247,7 +278,8 @@ class AsyncLLM:
         if not self.num_unfinished_requests:
             self._last_progress = time.monotonic()  # an idle engine owes no step until now
         for child in children:
-            self.request_stats.add(child.request_id, child.arrival_time, len(ids))
+            self.request_stats.add(child.request_id, child.arrival_time, len(ids),
+                                   child.max_tokens, params.n, child.group_id)
         try:
             self.core.add_requests(children)
         except BaseException:
@@ -281,14 +313,14 @@ class AsyncLLM:
         child_ids = [c for rid in request_ids for c in self.output_processor.abort_request(rid)]
         if not child_ids:
             return
-        self._record(None, self.request_stats.abort(child_ids))
+        self._record(None, self.request_stats.abort(child_ids), self._engine_index_of(child_ids))
         if self.dead_error is None and not self._closing:
             self.core.abort_requests(child_ids)
             if self.log_requests:
                 logger.info("Aborted request(s) %s", ", ".join(request_ids))
 
     async def reset_prefix_cache(self) -> bool:
-        return bool(await self._call_utility("reset_prefix_cache"))
+        return all(map(bool, await self._call_utility("reset_prefix_cache")))
 
     async def update_weights_from_disk(self, model_path: str) -> int:
         """Load a safetensors checkpoint of the same architecture into the running engine, once
@@ -296,9 +328,12 @@ class AsyncLLM:
         meanwhile wait and then run on the new ones. The prefix cache is reset. Raises
         ValueError (naming model_path) for a path that is not such a checkpoint, nothing changed;
         WeightUpdateError when the load failed midway: the previous weights restored, or, when
-        they could not be, the engine is taken out of service here too (as if it had died)."""
+        they could not be, the engine is taken out of service here too (as if it had died).
+        With data parallelism every engine loads it, all or nothing (combine_weight_updates):
+        engines left on different weights take the server out of service."""
         try:
-            return int(await self._call_utility("update_weights_from_disk", (model_path,)))
+            results = await self._call_each("update_weights_from_disk", (model_path,))
+            return combine_weight_updates(results, self.engine_indexes)
         except WeightUpdateError as e:
             if not e.restored:
                 self._set_dead(f"The engine is out of service: {e}")
@@ -309,40 +344,70 @@ class AsyncLLM:
         have finished; requests sent from now until wake_up raise EngineSleepingError."""
         was, self._sleeping = self._sleeping, True
         try:
-            await self._call_utility("sleep", (level,))
+            results = await self._call_each("sleep", (level,))
+            slept = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                if slept:  # all or nothing: wake the engines that slept
+                    woken = await self._call_each("wake_up", engines=slept)
+                    if any(isinstance(r, BaseException) for r in woken):
+                        logger.error("sleep failed on some data-parallel ranks and wake_up "
+                                     "failed on others: POST /wake_up again.")
+                        was = True  # some engine still sleeps: keep refusing requests
+                raise failed[0]
         except BaseException:
             self._sleeping = was
             raise
 
     async def wake_up(self) -> None:
+        # An engine that failed to wake keeps the server refusing; a retry wakes it (awake
+        # engines ignore wake_up).
         await self._call_utility("wake_up")
         self._sleeping = False
 
     async def is_sleeping(self) -> bool:
-        return bool(await self._call_utility("is_sleeping"))
+        """True while any engine sleeps (the server is not fully back)."""
+        return any(map(bool, await self._call_utility("is_sleeping")))
 
-    async def _call_utility(self, method: str, args: tuple = ()) -> Any:
+    async def _call_utility(self, method: str, args: tuple = ()) -> list[Any]:
+        """Every engine's result of ``method`` (raising the first engine's error, if any)."""
+        results = await self._call_each(method, args)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
+    async def _call_each(self, method: str, args: tuple = (),
+                         engines: list[int] | None = None) -> list[Any]:
+        """Run ``method`` on each engine (positions ``engines``; default all) at once: its
+        result or the exception it raised, in engine order."""
         if self.dead_error is not None:
             raise self.dead_error
         self.start()
-        call_id = next(self._call_ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._utility_calls[call_id] = fut
-        self.core.send(("utility", call_id, method, args))
+        loop = asyncio.get_running_loop()
+        call_ids: list[int] = []
         try:
-            return await fut
+            for i in range(len(self.engines)) if engines is None else engines:
+                call_id = next(self._call_ids)
+                self._utility_calls[call_id] = loop.create_future()
+                call_ids.append(call_id)
+                self.engines[i].send(("utility", call_id, method, args))
+            return list(await asyncio.gather(*(self._utility_calls[c] for c in call_ids),
+                                             return_exceptions=True))
         finally:
-            self._utility_calls.pop(call_id, None)
+            for call_id in call_ids:
+                self._utility_calls.pop(call_id, None)
 
     # ---- background tasks ------------------------------------------------------------------
-    async def _output_handler(self) -> None:
-        sock = zmq.asyncio.Socket.shadow(self.core.output_socket.underlying)
+    async def _output_handler(self, i: int = 0) -> None:
+        """Reads engine ``i``'s output socket."""
+        sock = zmq.asyncio.Socket.shadow(self.engines[i].output_socket.underlying)
         try:
             while True:
                 frame = await sock.recv(copy=False)
                 msg = pickle.loads(frame.buffer)
                 if msg[0] == "outputs":
-                    self._process(msg[1])
+                    self._process(msg[1], i)
                 elif msg[0] == "utility":
                     fut = self._utility_calls.get(msg[1])
                     if fut is not None and not fut.done():
@@ -351,7 +416,7 @@ class AsyncLLM:
                         else:
                             fut.set_result(msg[2])
                 elif msg[0] == "error":
-                    self._set_dead(f"The engine core failed:\n{msg[1]}")
+                    self._set_dead(f"The engine core{self._rank_name(i)} failed:\n{msg[1]}")
                     return
         except asyncio.CancelledError:
             raise
@@ -359,28 +424,42 @@ class AsyncLLM:
             logger.exception("Output handler failed")
             self._set_dead(f"The output handler failed: {e!r}")
 
-    def _process(self, batch: EngineCoreOutputs) -> None:
+    def _process(self, batch: EngineCoreOutputs, i: int = 0) -> None:
+        """Engine ``i``'s outputs of one step."""
         self._last_progress = time.monotonic()
+        if self._dp is not None:
+            self._dp.on_outputs(i, batch)
+        index = self.engine_indexes[i]
         failed = [o.req_id for o in batch.outputs if o.finish_reason == FinishReason.ERROR]
         if failed:
             # Failed samples finish with reason "error" in the metrics; popped here, update()
             # below skips them.
-            self._record(None, self.request_stats.abort(failed, reason="error"))
-        processed = self.output_processor.process_outputs(batch.outputs)
+            self._record(None, self.request_stats.abort(failed, reason="error"), index)
+        processed = self.output_processor.process_outputs(batch.outputs,
+                                                          batch.first_scheduled_times)
         if processed.reqs_to_stop:
             # A stop string ended these samples: the engine must stop them too.
             self.core.abort_requests(processed.reqs_to_stop, RequestStatus.FINISHED_STOPPED)
         if processed.reqs_to_abort:  # siblings of a failed sample
             self.core.abort_requests(processed.reqs_to_abort)
-            self._record(None, self.request_stats.abort(processed.reqs_to_abort))
+            self._record(None, self.request_stats.abort(processed.reqs_to_abort), index)
         it = self.request_stats.update(batch.outputs, batch.first_scheduled_times,
-                                       processed.reqs_to_stop)
-        self._record(batch.scheduler_stats, it)
+                                       processed.stopped_by_string)
+        self._record(batch.scheduler_stats, it, index)
 
-    def _record(self, stats: SchedulerStats | None, it: IterationMetrics | None) -> None:
+    def _engine_index_of(self, child_ids: list[str]) -> int:
+        """The engine label of these samples (one request's: they run on one engine)."""
+        return self.engine_indexes[0] if self._dp is None else \
+            self._dp.engine_index_of(child_ids[0])
+
+    def _record(self, stats: SchedulerStats | None, it: IterationMetrics | None,
+                engine_index: int) -> None:
+        """``stats``/``it`` of the engine of data-parallel rank ``engine_index``."""
+        self.prometheus.record(stats, it, engine_index=engine_index)
+        if stats is not None and self._dp is not None:
+            stats = self._dp.merged_stats()  # the server's totals (on_outputs stored stats)
         if stats is not None:
             self.scheduler_stats = stats
-        self.prometheus.record(stats, it)
         if self.stat_logger is not None:
             self.stat_logger.record(stats, it)
 

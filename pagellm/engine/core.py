@@ -17,6 +17,7 @@ import torch
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagellm.core.scheduler import Scheduler
+from pagellm.engine.kv_events import kv_events_enabled, make_publisher
 from pagellm.engine.overlap import OverlappedSteps
 from pagellm.errors import (
     EngineDeadError,
@@ -64,7 +65,8 @@ class EngineCore:
         num_blocks = self.executor.initialize_kv_cache()
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
                                    config.model.kv_cache_layout().windows,
-                                   speculative_config=config.speculative_config)
+                                   speculative_config=config.speculative_config,
+                                   enable_kv_cache_events=kv_events_enabled(config))
         self.num_blocks = num_blocks
         self.stats = IterationStats()
         self.num_consecutive_step_failures = 0
@@ -79,6 +81,9 @@ class EngineCore:
         # Async scheduling (engine/overlap.py): the step submitted and not processed yet.
         self.async_scheduling = config.scheduler.async_scheduling
         self.overlap = OverlappedSteps(self)
+        # KV cache events (--kv-events-config; engine/kv_events.py): None when off. Last, so a
+        # failed start-up leaves no socket bound.
+        self.kv_event_publisher = make_publisher(config)
         logger.info("Engine ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: Request) -> None:
@@ -119,6 +124,7 @@ class EngineCore:
             outputs += self.overlap.collect_in_flight()
             if self.scheduler.has_unfinished_requests() and not self._only_compiling():
                 outputs += self._step_sync()
+        self.publish_kv_events()
         self.stats.step_time_s += time.perf_counter() - start
         return outputs
 
@@ -217,7 +223,17 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         self.drain()
-        return self.scheduler.reset_prefix_cache()
+        reset = self.scheduler.reset_prefix_cache()
+        self.publish_kv_events()
+        return reset
+
+    def publish_kv_events(self) -> None:
+        """Send the block pool's KV cache events since the last call as one batch (none: no
+        batch), after each step and each prefix-cache reset."""
+        if self.kv_event_publisher is not None:
+            events = self.scheduler.kv_cache_manager.take_events()
+            if events:
+                self.kv_event_publisher.publish(events)
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -245,7 +261,10 @@ class EngineCore:
                 raise ValueError("load_weights takes (name, tensor) pairs")
             name, t = item
             batch.append((name, t.detach().cpu() if tp else t.detach()))
-        return self._update(lambda: self.executor.collective_rpc("stage_weights", (batch,)))
+        try:
+            return self._update(lambda: self.executor.collective_rpc("stage_weights", (batch,)))
+        finally:
+            self.publish_kv_events()  # the prefix cache was reset
 
     def update_weights_from_disk(self, model_path: str) -> int:
         """``load_weights`` from a safetensors checkpoint of the same architecture (ValueError
@@ -258,8 +277,11 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():
             raise RuntimeError("update_weights_from_disk needs an idle engine")
         self.drain()
-        return self._update(
-            lambda: self.executor.collective_rpc(load_checkpoint, (files, model_path)))
+        try:
+            return self._update(
+                lambda: self.executor.collective_rpc(load_checkpoint, (files, model_path)))
+        finally:
+            self.publish_kv_events()  # the prefix cache was reset
 
     def _check_in_service(self) -> None:
         if self.out_of_service is not None:
@@ -354,6 +376,7 @@ class EngineCore:
         self.drain()
         if not self.scheduler.reset_prefix_cache():
             raise RuntimeError("the prefix cache could not be reset before sleeping")
+        self.publish_kv_events()
         self.executor.collective_rpc("sleep", (level,))
         self.sleep_level = max(self.sleep_level, level)
 
@@ -371,6 +394,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.overlap.in_flight = None  # the executor's shutdown waits for it or stops its workers
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
         self.structured_output.shutdown()
         self.executor.shutdown()
 

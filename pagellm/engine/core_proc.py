@@ -54,6 +54,9 @@ class EngineCoreOutputs:
     scheduler_stats: SchedulerStats | None
     first_scheduled_times: dict[str, float] = field(default_factory=dict)
     timestamp: float = 0.0
+    # Sequences this engine has received so far: a data-parallel front end counts those it
+    # sent and not yet received as waiting (engine/dp_client.py).
+    num_requests_received: int = 0
 
 
 def _dumps(msg: tuple) -> bytes:
@@ -90,6 +93,7 @@ class EngineCoreProc:
         # _AFTER_DRAIN calls waiting for the engine to drain, and the requests held meanwhile.
         self._pending_utilities: list[tuple[int, str, tuple]] = []
         self._held: list[Request] = []
+        self._num_received = 0
         self._running = True
 
     def send(self, msg: tuple) -> None:
@@ -98,6 +102,7 @@ class EngineCoreProc:
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
+            self._num_received += len(msg[1])
             if self._pending_utilities:
                 self._held.extend(msg[1])
                 return
@@ -198,7 +203,7 @@ class EngineCoreProc:
             # NOTE: stats go out even when no token did (an abort while idle), so the
             # front end's gauges return to zero.
             self.send(("outputs", EngineCoreOutputs(outputs, core.make_stats(), first_sched,
-                                                    time.monotonic())))
+                                                    time.monotonic(), self._num_received)))
 
     def close(self) -> None:
         try:
@@ -268,7 +273,9 @@ class EngineCoreClient:
     """Starts the engine process and holds both ends of the transport (front-end side)."""
 
     def __init__(self, config: Any, eos_token_id: int | None, core_factory: Any = None,
-                 startup_timeout_s: float = 600.0) -> None:
+                 startup_timeout_s: float = 600.0, wait: bool = True) -> None:
+        """``wait=False``: start the process and return; ``wait_ready()`` waits for it
+        (a data-parallel front end starts every engine before waiting for any)."""
         self._tmpdir = tempfile.mkdtemp(prefix="pagellm-")  # created 0700
         self.input_path = f"ipc://{self._tmpdir}/input.sock"
         self.output_path = f"ipc://{self._tmpdir}/output.sock"
@@ -285,16 +292,27 @@ class EngineCoreClient:
             target=run_engine_core, name="pagellm-engine-core", daemon=False,
             args=(config, eos_token_id, self.input_path, self.output_path, os.getpid(),
                   core_factory, logging.getLogger("pagellm").getEffectiveLevel()))
+        self.info: dict = {}
+        self._startup_timeout_s = startup_timeout_s
+        self._startup_deadline = time.monotonic() + startup_timeout_s
         try:
             self.proc.start()
-            self.info = self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until the engine reports ready (RuntimeError if it fails or times out)."""
+        try:
+            self.info = self._wait_ready(self._startup_deadline)
         except BaseException:
             self.shutdown()
             raise
         logger.info("Engine core process started (pid %d)", self.proc.pid)
 
-    def _wait_ready(self, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
+    def _wait_ready(self, deadline: float) -> dict:
         while time.monotonic() < deadline:
             if self.output_socket.poll(200):
                 msg = pickle.loads(self.output_socket.recv())
@@ -305,7 +323,8 @@ class EngineCoreClient:
             elif not self.proc.is_alive():
                 raise RuntimeError(f"The engine core process exited during start-up "
                                    f"(exit code {self.proc.exitcode}).")
-        raise RuntimeError(f"The engine core did not start within {timeout_s:.0f} s.")
+        raise RuntimeError(f"The engine core did not start within "
+                           f"{self._startup_timeout_s:.0f} s.")
 
     @property
     def pid(self) -> int | None:

@@ -10,6 +10,7 @@ from typing import Any
 from pagellm.config import EngineConfig
 from pagellm.models.generation_config import extra_stop_ids
 from pagellm.request import Request
+from pagellm.sample.bad_words import bad_words_token_ids
 from pagellm.sample.metadata import validate_token_ids
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.compiler import grammar_compiler_for
@@ -23,6 +24,19 @@ class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
     cache_salt: str | None
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """truncate_prompt_tokens (vLLM's): the last ``keep`` tokens (-1: the last max_model_len);
+    None: all of them. ValueError past max_model_len, as vLLM."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    elif keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+                         f"({max_model_len}); ask for a smaller truncation size.")
+    return ids[-keep:]
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -87,9 +101,19 @@ class InputProcessor:
         ``grammar_compiled``: the caller compiled the spec with ``grammar_compiler`` already
         (off the event loop), so it is known to compile."""
         processed = self.tokenize(prompt)
-        ids = processed.prompt_token_ids
+        ids = truncate_prompt(processed.prompt_token_ids, params.truncate_prompt_tokens,
+                              self.max_model_len)
+        if len(ids) != len(processed.prompt_token_ids):
+            # The text no longer matches the ids the request runs on.
+            processed = ProcessedPrompt(None, ids, processed.cache_salt)
         self.validate(ids)
         validate_token_ids(params, self.vocab_size)
+        if params.bad_words and not params.bad_words_token_ids:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.bad_words needs the model's tokenizer.")
+            params = params.clone()
+            params._bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer,
+                                                              self.vocab_size)
         if params.structured_outputs is not None and not grammar_compiled:
             self.grammar_compiler.compile(params.structured_outputs, processed.cache_salt)
         # Every EOS id of generation_config.json stops, not only the tokenizer's (Llama 3.1).

@@ -38,6 +38,10 @@ def load_tokenizer_and_eos(config: EngineConfig) -> tuple[Any, int | None]:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError("--data-parallel-size (data_parallel_size) is for `pagellm serve`, "
+                             "which runs one engine per rank behind one API server; offline, "
+                             "run one LLM per process instead.")
         self.config = config
         self.tokenizer, self.eos_token_id = load_tokenizer_and_eos(config)
         self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_id)

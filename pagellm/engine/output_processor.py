@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.core.sched_output import EngineCoreOutput, Logprobs, PromptLogprobs
 from pagellm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, decode_token
+from pagellm.errors import RequestIdInUseError
 from pagellm.outputs import CompletionOutput, Logprob, RawPromptLogprobs, RequestOutput
 from pagellm.outputs import PromptLogprobs as PromptLogprobList
 from pagellm.request import FinishReason
@@ -51,6 +52,8 @@ class RequestState:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when the scheduler first ran any sample
+    finished_time: float | None = None  # when the last sample finished
     num_unfinished: int = 0
     # params.prompt_logprobs: filled by position as the prefill chunks are scored (a chunk
     # scored again after a preemption overwrites the same values); DELTA sends it once.
@@ -70,6 +73,9 @@ class ProcessedOutputs:
     # Samples whose sibling failed (finish_reason "error"): the request as a whole failed, so
     # the engine core must abort them.
     reqs_to_abort: list[str] = field(default_factory=list)
+    # Every sample a stop string ended in this batch, ``reqs_to_stop`` and those the engine core
+    # finished in the same step (max_tokens reached too): they all finish as "stop".
+    stopped_by_string: list[str] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -93,8 +99,9 @@ class OutputProcessor:
         ids = (request_id, *child_ids)
         in_use = [i for i in ids if i in self.requests or i in self._parent_of]
         if in_use or len(set(child_ids)) != len(child_ids):
-            raise ValueError(f"Request id {request_id!r} is already in use (an id of its or its "
-                             f"samples, {(in_use or child_ids)[0]!r}, is in flight).")
+            raise RequestIdInUseError(
+                f"Request id {request_id!r} is already in use (an id of its or its samples, "
+                f"{(in_use or child_ids)[0]!r}, is in flight).")
         samples = {}
         for i, cid in enumerate(child_ids):
             detok: IncrementalDetokenizer | TokenIdsOnly = IncrementalDetokenizer(
@@ -124,11 +131,16 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        first_scheduled_times: Mapping[str, float] | None = None
+                        ) -> ProcessedOutputs:
+        """``first_scheduled_times``: the engine core's, by sample id (EngineCoreOutputs):
+        the finished outputs' metrics carry the request's first one (its queue time)."""
         now = time.monotonic()
         request_outputs: list[RequestOutput] = []
         reqs_to_stop: list[str] = []
         reqs_to_abort: list[str] = []
+        stopped_by_string: list[str] = []
         for out in outputs:
             parent = self._parent_of.get(out.req_id)
             if parent is None:
@@ -137,25 +149,34 @@ class OutputProcessor:
             sample = state.samples[out.req_id]
             if sample.finish_reason is not None:
                 continue
+            scheduled = first_scheduled_times.get(out.req_id) if first_scheduled_times \
+                else None
+            if scheduled is not None and (state.first_scheduled_time is None
+                                          or scheduled < state.first_scheduled_time):
+                state.first_scheduled_time = scheduled
             if out.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, out.prompt_logprobs)
             if not out.new_token_ids and out.finish_reason is None:
                 continue  # a prefill chunk's prompt logprobs: nothing to send yet
             if out.new_token_ids and self._update_sample(state, sample, out, now):
-                reqs_to_stop.append(out.req_id)
+                stopped_by_string.append(out.req_id)
+                if out.finish_reason is None:  # the core must be told to stop it
+                    reqs_to_stop.append(out.req_id)
             if sample.finish_reason is None and out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             if sample.finish_reason is not None:
                 self._finish_sample(state, sample, out.req_id, reqs_to_abort)
+                if state.finished:
+                    state.finished_time = now
             ro = self._request_output(state, sample)
             if ro is not None:
                 request_outputs.append(ro)
-        return ProcessedOutputs(request_outputs, reqs_to_stop, reqs_to_abort)
+        return ProcessedOutputs(request_outputs, reqs_to_stop, reqs_to_abort, stopped_by_string)
 
     def _update_sample(self, state: RequestState, sample: _Sample, out: EngineCoreOutput,
                        now: float) -> bool:
         """Take a sample's new tokens (timing, logprobs, text). True when a stop string ended
-        it before the engine core did (the core must then be told to stop it)."""
+        it (the core must be told to stop it unless it finished the sample itself)."""
         if state.first_token_time is None or sample.index == 0:
             # n > 1: sample 0's hit, what the prompt found; its siblings hit the blocks
             # it computed (that is sharing, not a cache hit).
@@ -173,7 +194,7 @@ class OutputProcessor:
         if stop_str is None:
             return False
         sample.finish_reason, sample.stop_reason = "stop", stop_str
-        return out.finish_reason is None
+        return True
 
     def _finish_sample(self, state: RequestState, sample: _Sample, sample_id: str,
                        reqs_to_abort: list[str]) -> None:
@@ -252,6 +273,10 @@ class OutputProcessor:
         if state.first_token_time is not None:
             metrics["first_token_time"] = state.first_token_time
             metrics["last_token_time"] = state.last_token_time or state.first_token_time
+        if state.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = state.first_scheduled_time
+        if state.finished_time is not None:
+            metrics["finished_time"] = state.finished_time
         prompt_logprobs = state.prompt_logprobs
         if state.kind is OutputKind.DELTA and prompt_logprobs is not None:
             # Once, complete (n > 1: a sibling's first token may come before sample 0's scores).

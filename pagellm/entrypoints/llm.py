@@ -12,6 +12,7 @@ import torch
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine_args import EngineArgs
+from pagellm.entrypoints.openai.chat_template_args import check_template_kwargs
 from pagellm.errors import RequestFailedError
 from pagellm.outputs import RequestOutput
 from pagellm.request import FinishReason
@@ -105,8 +106,12 @@ class LLM:
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate.
+        ``chat_template_kwargs``: extra template variables (``enable_thinking``...), JSON data
+        whose keys are not the renderer's own (ValueError naming the key otherwise)."""
+        template_kwargs = check_template_kwargs(chat_template_kwargs, None)
         conversations: list[ChatMessages]
         if messages and isinstance(messages[0], Mapping):
             conversations = [list(messages)]  # type: ignore[list-item]
@@ -117,7 +122,7 @@ class LLM:
         for conv in conversations:
             ids = tok.apply_chat_template(conv, chat_template=chat_template,
                                           add_generation_prompt=add_generation_prompt,
-                                          tokenize=True)
+                                          tokenize=True, **template_kwargs)
             if isinstance(ids, Mapping):  # some transformers versions return a BatchEncoding
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})

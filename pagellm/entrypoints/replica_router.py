@@ -6,8 +6,9 @@ worker, and what pagellm answers (docs/parallelism.md has the details):
 
 - ``GET /health`` (start-up and periodic checks; 200 = healthy), no API key sent;
 - ``GET /get_load`` (``{"load": N}``, polled by power_of_two), no API key sent: open in pagellm;
-- cache_aware tokenizes each request on every worker: ``POST /v1/chat/completions/render`` (or
-  ``/v1/completions/render``, vLLM's; 404 here), then ``POST /tokenize``, which pagellm serves;
+- cache_aware tokenizes each text request on every worker: ``POST /v1/chat/completions/render``
+  (or ``/v1/completions/render``, vLLM's; serving_render.py), falling back to ``POST /tokenize``
+  only where a worker has no render endpoint;
 - ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ... forwarded with the client's
   headers (``Authorization`` included), streams passed through. The router re-serializes the
   body: it adds its own defaults (``no_stop_trim``, ``return_hidden_states``, ...), which

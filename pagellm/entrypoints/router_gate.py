@@ -1,6 +1,6 @@
 """The client-facing port in front of vllm-router: it forwards only what clients and probes need
-(``/v1/*``, ``/health``, and the router's own probes ``/readiness`` and ``/liveness``) to the
-router, which listens on loopback only.
+(``/v1/*``, vLLM's token-in/token-out ``/inference/v1/generate``, ``/health``, and the router's
+own probes ``/readiness`` and ``/liveness``) to the router, which listens on loopback only.
 
 vllm-router serves its management API (``/add_worker``, ``/remove_worker``, ``/list_workers``,
 ``/flush_cache``, ``/workers/...``) on its one port to anyone, with or without its ``--api-key``
@@ -27,11 +27,14 @@ import uvicorn
 from fastapi.responses import JSONResponse
 
 from pagellm.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagellm.entrypoints.openai.protocol_generate import GENERATE_PATH
 from pagellm.entrypoints.openai.serving_errors import error_body
 
 logger = logging.getLogger("pagellm")
 
 CLIENT_PREFIX = "/v1/"  # every OpenAI-compatible route, any method
+# Client routes outside /v1 (any method): vllm-router and llm-d send GenerateRequests here.
+CLIENT_PATHS = frozenset({GENERATE_PATH})
 PROBE_PATHS = frozenset({"/health", "/readiness", "/liveness"})  # GET/HEAD only
 # RFC 9110 hop-by-hop fields, and those the gate sets itself.
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
@@ -54,11 +57,13 @@ def _clean(path: str) -> bool:
 
 
 def is_allowed(method: str, path: str, raw_path: str) -> bool:
-    """Whether a request may go on to the router: ``/v1/...`` (any method) or a probe (GET or
-    HEAD), with a clean path both decoded and as sent."""
+    """Whether a request may go on to the router: ``/v1/...`` or a CLIENT_PATHS route (any
+    method) or a probe (GET or HEAD), with a clean path both decoded and as sent."""
     if not (_clean(path) and _clean(raw_path)):
         return False
     if path.startswith(CLIENT_PREFIX) and raw_path.startswith(CLIENT_PREFIX):
+        return True
+    if path in CLIENT_PATHS and raw_path == path:
         return True
     return path in PROBE_PATHS and raw_path == path and method in ("GET", "HEAD")
 
@@ -89,8 +94,8 @@ class RouterGate:
             return  # websockets: refused (the handshake is never accepted)
         raw_path = scope.get("raw_path", scope["path"].encode()).decode("latin-1")
         if not is_allowed(scope["method"], scope["path"], raw_path):
-            await _error(scope, receive, send, 404, "Not found (this port serves /v1/* and "
-                         "the health probes only).", "not_found")
+            await _error(scope, receive, send, 404, "Not found (this port serves /v1/*, "
+                         f"{GENERATE_PATH} and the health probes only).", "not_found")
             return
         try:
             body = await self._read_body(receive)
@@ -180,8 +185,8 @@ async def _error(scope: dict, receive: Callable, send: Callable, status: int, me
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m pagellm.entrypoints.router_gate",
-                                description="Forward /v1/* and the probes to vllm-router; "
-                                            "nothing else.")
+                                description=f"Forward /v1/*, {GENERATE_PATH} and the probes to "
+                                            "vllm-router; nothing else.")
     p.add_argument("--upstream", required=True, help="the router's URL, e.g. "
                    "http://127.0.0.1:8001 (it should listen on loopback only)")
     p.add_argument("--host", default="127.0.0.1")

@@ -1,9 +1,16 @@
-"""Prometheus collectors with vLLM's metric names, under the ``pagellm:`` prefix.
+"""Prometheus collectors for /metrics: the table in metric_specs.py under ``vllm:``,
+``pagellm:`` or both prefixes (``--metrics-names``).
 
-Each PrometheusStatLogger owns its registry (no process-global state), which ``/metrics`` renders.
+Each PrometheusStatLogger owns its registry (no process-global state), which ``/metrics``
+renders. One server may host several engines (data parallelism): every per-engine series of
+the ``vllm:`` names carries ``engine`` (vLLM's label set: model_name, engine). The ``pagellm:``
+names keep their label set, model_name alone, and gain ``engine`` only when the logger has
+several engines (their series could not be told apart otherwise).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -14,141 +21,219 @@ from prometheus_client import (
     generate_latest,
 )
 
+from pagellm.metrics.metric_specs import (
+    CACHE_CONFIG_INFO,
+    DEFAULT_METRIC_NAMES,
+    ENGINE_METRICS,
+    FINISH_REASONS,
+    SPEC_DECODE_METRICS,
+    MetricSpec,
+    prefixes,
+)
 from pagellm.metrics.request_stats import IterationMetrics
 from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0]
-_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+__all__ = ["FINISH_REASONS", "PrometheusStatLogger"]
+
+_KINDS = {"gauge": Gauge, "counter": Counter, "histogram": Histogram}
 
 
-def token_buckets(max_value: int) -> list[int]:
-    """1, 2, 5, 10, 20, 50, ... up to max_value (included)."""
-    buckets: list[int] = []
-    exponent = 0
-    while True:
-        for mantissa in (1, 2, 5):
-            value = mantissa * 10**exponent
-            if value >= max_value:
-                buckets.append(max_value)
-                return buckets
-            buckets.append(value)
-        exponent += 1
+class _Series:
+    """One series under every enabled prefix: each update reaches all of them."""
+
+    __slots__ = ("children",)
+
+    def __init__(self, children: Iterable) -> None:
+        self.children = tuple(children)
+
+    def inc(self, amount: float) -> None:
+        for child in self.children:
+            child.inc(amount)
+
+    def set(self, value: float) -> None:
+        for child in self.children:
+            child.set(value)
+
+    def observe(self, value: float) -> None:
+        for child in self.children:
+            child.observe(value)
 
 
-class PrometheusStatLogger:
-    def __init__(self, model_name: str, max_model_len: int,
-                 registry: CollectorRegistry | None = None,
-                 num_speculative_tokens: int = 0) -> None:
-        """``num_speculative_tokens`` > 0 (speculative decoding on): the acceptance counters
-        too."""
-        self.registry = registry or CollectorRegistry(auto_describe=True)
-        reg, labels = self.registry, ["model_name"]
+class _EngineSeries:
+    """One engine's series, and the last cumulative counts the scheduler reported (Prometheus
+    counters take increments)."""
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"pagellm:{name}", doc, labels, registry=reg).labels(model_name)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"pagellm:{name}", doc, labels, registry=reg).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets: list) -> Histogram:
-            return Histogram(f"pagellm:{name}", doc, labels, buckets=buckets,
-                             registry=reg).labels(model_name)
-
-        self.running = gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage: 1 means 100 percent.")
-        self.prefix_queries = counter("prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
-        self.preemptions = counter("num_preemptions", "Preemptions (requests sent back to wait).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        success = Counter("pagellm:request_success", "Finished requests by finish reason.",
-                          ["model_name", "finished_reason"], registry=reg)
-        self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
-        self.ttft = histogram("time_to_first_token_seconds", "Time to the first token.",
-                              _TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between two output tokens.",
-                             _ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.",
-                             _LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds",
-                                    "Arrival to first scheduling.", _LATENCY_BUCKETS)
-        tokens = token_buckets(max_model_len)
-        self.req_prompt_tokens = histogram("request_prompt_tokens", "Prompt length per request.",
-                                           tokens)
-        self.req_generation_tokens = histogram("request_generation_tokens",
-                                               "Generated tokens per request.", tokens)
-        # The engine reports cumulative counters; Prometheus counters take increments.
-        self._last_queries = self._last_hits = self._last_preemptions = 0
-        self.spec = (_SpecDecodingCounters(reg, model_name, num_speculative_tokens)
-                     if num_speculative_tokens > 0 else None)
-
-    def record(self, scheduler_stats: SchedulerStats | None,
-               iteration: IterationMetrics | None) -> None:
-        if scheduler_stats is not None:
-            s = scheduler_stats
-            self.running.set(s.num_running_reqs)
-            self.waiting.set(s.num_waiting_reqs)
-            self.kv_usage.set(s.kv_cache_usage)
-            self.prefix_queries.inc(max(0, s.prefix_cache_queries - self._last_queries))
-            self.prefix_hits.inc(max(0, s.prefix_cache_hits - self._last_hits))
-            self.preemptions.inc(max(0, s.num_preemptions - self._last_preemptions))
-            self._last_queries = s.prefix_cache_queries
-            self._last_hits = s.prefix_cache_hits
-            self._last_preemptions = s.num_preemptions
-            if self.spec is not None and s.spec_decoding is not None:
-                self.spec.record(s.spec_decoding)
-        if iteration is not None:
-            self.prompt_tokens.inc(iteration.num_prompt_tokens)
-            self.generation_tokens.inc(iteration.num_generation_tokens)
-            for v in iteration.time_to_first_tokens:
-                self.ttft.observe(v)
-            for v in iteration.inter_token_latencies:
-                self.itl.observe(v)
-            for f in iteration.finished:
-                self.success[f.finish_reason].inc()
-                self.e2e.observe(f.e2e_latency)
-                if f.queue_time is not None:
-                    self.queue_time.observe(f.queue_time)
-                self.req_prompt_tokens.observe(f.num_prompt_tokens)
-                self.req_generation_tokens.observe(f.num_generation_tokens)
-
-    def render(self) -> tuple[bytes, str]:
-        """The exposition text and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def __init__(self, series: dict[str, _Series], success: dict[str, _Series],
+                 spec: _SpecDecodingSeries | None) -> None:
+        self.m = series
+        self.success = success
+        self.spec = spec
+        self.last_queries = self.last_hits = self.last_preemptions = 0
 
 
-class _SpecDecodingCounters:
+class _SpecDecodingSeries:
     """vLLM's speculative-decoding counters, fed with the scheduler's cumulative ones."""
 
-    def __init__(self, reg: CollectorRegistry, model_name: str, num_spec_tokens: int) -> None:
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"pagellm:{name}", doc, ["model_name"], registry=reg).labels(
-                model_name)
-
-        self.drafts = counter("spec_decode_num_drafts", "Verify steps of requests with drafts.")
-        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
-        self.accepted_tokens = counter("spec_decode_num_accepted_tokens",
-                                       "Draft tokens accepted.")
-        per_pos = Counter("pagellm:spec_decode_num_accepted_tokens_per_pos",
-                          "Accepted draft tokens by position in the draft (0: the first).",
-                          ["model_name", "position"], registry=reg)
-        self.accepted_per_pos = [per_pos.labels(model_name, str(pos))
-                                 for pos in range(num_spec_tokens)]
+    def __init__(self, m: dict[str, _Series], per_pos: list[_Series],
+                 num_spec_tokens: int) -> None:
+        self.m = m
+        self.per_pos = per_pos
         self.last = SpecDecodingStats(num_spec_tokens)
 
     def record(self, stats: SpecDecodingStats) -> None:
         delta = stats.since(self.last)
-        self.drafts.inc(max(0, delta.num_drafts))
-        self.draft_tokens.inc(max(0, delta.num_draft_tokens))
-        self.accepted_tokens.inc(max(0, delta.num_accepted_tokens))
-        for child, n in zip(self.accepted_per_pos, delta.num_accepted_tokens_per_pos,
-                            strict=True):
-            child.inc(max(0, n))
+        self.m["spec_decode_num_drafts"].inc(max(0, delta.num_drafts))
+        self.m["spec_decode_num_draft_tokens"].inc(max(0, delta.num_draft_tokens))
+        self.m["spec_decode_num_accepted_tokens"].inc(max(0, delta.num_accepted_tokens))
+        for series, n in zip(self.per_pos, delta.num_accepted_tokens_per_pos, strict=True):
+            series.inc(max(0, n))
         self.last = stats
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str, max_model_len: int,
+                 registry: CollectorRegistry | None = None, num_speculative_tokens: int = 0,
+                 engine_indexes: Sequence[int] = (0,),
+                 metric_names: str = DEFAULT_METRIC_NAMES,
+                 cache_config_info: dict[str, str] | None = None) -> None:
+        """``num_speculative_tokens`` > 0 (speculative decoding on): the acceptance counters
+        too. ``cache_config_info``: the labels of ``cache_config_info`` (None: not exported).
+        ``metric_names``: vllm, pagellm or both (ValueError naming --metrics-names else)."""
+        self.prefixes = prefixes(metric_names)
+        if not engine_indexes or len(set(engine_indexes)) != len(engine_indexes):
+            raise ValueError(f"engine_indexes must be distinct and non-empty, got "
+                             f"{list(engine_indexes)}.")
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.engine_indexes = tuple(engine_indexes)
+        self._pagellm_engine_label = len(self.engine_indexes) > 1
+        families = {s.name: self._family(s) for s in ENGINE_METRICS}
+        spec_families = ({s.name: self._family(s) for s in SPEC_DECODE_METRICS}
+                         if num_speculative_tokens > 0 else None)
+        self._engines: dict[int, _EngineSeries] = {}
+        for idx in self.engine_indexes:
+            series = {name: self._bind(fam, idx) for name, fam in families.items()
+                      if name != "request_success"}
+            success = {r: self._bind(families["request_success"], idx, finished_reason=r)
+                       for r in FINISH_REASONS}
+            spec = None
+            if spec_families is not None:
+                per_pos_family = spec_families["spec_decode_num_accepted_tokens_per_pos"]
+                spec = _SpecDecodingSeries(
+                    {name: self._bind(fam, idx) for name, fam in spec_families.items()
+                     if fam is not per_pos_family},
+                    [self._bind(per_pos_family, idx, position=str(pos))
+                     for pos in range(num_speculative_tokens)], num_speculative_tokens)
+            self._engines[idx] = _EngineSeries(series, success, spec)
+        if cache_config_info is not None:
+            self._export_cache_config_info(cache_config_info)
+        # The first engine's collectors under the first prefix, for in-process readers (tests).
+        first = self._engines[self.engine_indexes[0]]
+        self.running = first.m["num_requests_running"].children[0]
+        self.prompt_tokens = first.m["prompt_tokens"].children[0]
+        self.generation_tokens = first.m["generation_tokens"].children[0]
+        self.ttft = first.m["time_to_first_token_seconds"].children[0]
+        self.success = {r: s.children[0] for r, s in first.success.items()}
+
+    # ---- building --------------------------------------------------------------------------
+    def _base_labels(self, prefix: str) -> list[str]:
+        if prefix == "vllm" or self._pagellm_engine_label:
+            return ["model_name", "engine"]
+        return ["model_name"]
+
+    def _family(self, spec: MetricSpec) -> list[tuple[str, Gauge | Counter | Histogram]]:
+        """The spec's collector under each prefix, with that prefix's label names."""
+        out = []
+        for prefix in self.prefixes:
+            kwargs = {}
+            if spec.kind == "histogram":
+                assert spec.buckets is not None
+                buckets = spec.buckets
+                kwargs["buckets"] = (buckets(self.max_model_len) if callable(buckets)
+                                     else list(buckets))
+            collector = _KINDS[spec.kind](f"{prefix}:{spec.name}", spec.doc,
+                                          [*self._base_labels(prefix), *spec.labels],
+                                          registry=self.registry, **kwargs)
+            out.append((prefix, collector))
+        return out
+
+    def _bind(self, family: list[tuple[str, Gauge | Counter | Histogram]], engine_index: int,
+              **extra: str) -> _Series:
+        children = []
+        for prefix, collector in family:
+            labels = {"model_name": self.model_name, **extra}
+            if "engine" in self._base_labels(prefix):
+                labels["engine"] = str(engine_index)
+            children.append(collector.labels(**labels))
+        return _Series(children)
+
+    def _export_cache_config_info(self, info: dict[str, str]) -> None:
+        if "engine" in info:
+            raise ValueError("cache_config_info: 'engine' is set per engine, not a config key.")
+        for prefix in self.prefixes:
+            gauge = Gauge(f"{prefix}:{CACHE_CONFIG_INFO.name}", CACHE_CONFIG_INFO.doc,
+                          [*info, "engine"], registry=self.registry)
+            for idx in self.engine_indexes:
+                gauge.labels(**info, engine=str(idx)).set(1)
+
+    # ---- recording -------------------------------------------------------------------------
+    def record(self, scheduler_stats: SchedulerStats | None,
+               iteration: IterationMetrics | None, engine_index: int = 0) -> None:
+        try:
+            e = self._engines[engine_index]
+        except KeyError:
+            raise ValueError(f"engine_index {engine_index} is not one of this logger's engines "
+                             f"{list(self.engine_indexes)}.") from None
+        m = e.m
+        if scheduler_stats is not None:
+            s = scheduler_stats
+            m["num_requests_running"].set(s.num_running_reqs)
+            m["num_requests_waiting"].set(s.num_waiting_reqs)
+            m["kv_cache_usage_perc"].set(s.kv_cache_usage)
+            m["prefix_cache_queries"].inc(max(0, s.prefix_cache_queries - e.last_queries))
+            m["prefix_cache_hits"].inc(max(0, s.prefix_cache_hits - e.last_hits))
+            m["num_preemptions"].inc(max(0, s.num_preemptions - e.last_preemptions))
+            e.last_queries = s.prefix_cache_queries
+            e.last_hits = s.prefix_cache_hits
+            e.last_preemptions = s.num_preemptions
+            if e.spec is not None and s.spec_decoding is not None:
+                e.spec.record(s.spec_decoding)
+            if iteration is not None:
+                # One observation per engine step's outputs (aborts recorded alone are none).
+                m["iteration_tokens_total"].observe(iteration.num_prompt_tokens
+                                                    + iteration.num_generation_tokens)
+        if iteration is None:
+            return
+        it = iteration
+        m["prompt_tokens"].inc(it.num_prompt_tokens)
+        m["generation_tokens"].inc(it.num_generation_tokens)
+        for v in it.time_to_first_tokens:
+            m["time_to_first_token_seconds"].observe(v)
+        for v in it.inter_token_latencies:
+            m["inter_token_latency_seconds"].observe(v)
+        for n in it.n_params:
+            m["request_params_n"].observe(n)
+        for n in it.max_num_generation_tokens:
+            m["request_max_num_generation_tokens"].observe(n)
+        for f in it.finished:
+            e.success[f.finish_reason].inc(1)
+            m["e2e_request_latency_seconds"].observe(f.e2e_latency)
+            m["request_prompt_tokens"].observe(f.num_prompt_tokens)
+            m["request_generation_tokens"].observe(f.num_generation_tokens)
+            if f.max_tokens_param:
+                m["request_params_max_tokens"].observe(f.max_tokens_param)
+            # Times a request never reached (aborted while waiting, or before its first
+            # token) are not observed.
+            for name, value in (("request_queue_time_seconds", f.queue_time),
+                                ("request_prefill_time_seconds", f.prefill_time),
+                                ("request_decode_time_seconds", f.decode_time),
+                                ("request_inference_time_seconds", f.inference_time),
+                                ("request_time_per_output_token_seconds",
+                                 f.mean_time_per_output_token)):
+                if value is not None:
+                    m[name].observe(value)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

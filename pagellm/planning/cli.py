@@ -19,7 +19,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "token, KV budget, blocks, token capacity, max concurrency at max_model_len, "
                     "whether it fits, and the nearest settings that do. Same flags as serve.")
     # --device and --quantization mean the target and a what-if here (the plan group's).
-    EngineArgs.add_cli_args(parser, exclude=("device", "quantization"))
+    # A plan is one engine's: data parallelism runs copies of it (docs/parallelism.md).
+    EngineArgs.add_cli_args(parser, exclude=("device", "quantization", "data_parallel_size",
+                                             "data_parallel_rank"))
     g = parser.add_argument_group("plan")
     g.add_argument("--device", default="auto",
                    help="target: cpu, cuda[:N] (a GPU here), a GPU name (h100, h200, a100-80gb, "

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.sample.allowed_tokens import allowed_ids_tensor, allowed_tokens_mask
+from pagellm.sample.bad_words import bad_words_mask
 from pagellm.sample.grammar import GrammarMask
 from pagellm.sample.penalties import PenaltyTensors
 from pagellm.sampling_params import SamplingParams
@@ -29,6 +31,10 @@ def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
         if tok >= vocab_size:
             raise ValueError(f"SamplingParams.logit_bias: token id {tok} is out of the "
                              f"vocabulary (size {vocab_size}).")
+    for tok in params.allowed_token_ids or []:
+        if tok >= vocab_size:  # as vLLM: refused, not dropped
+            raise ValueError(f"SamplingParams.allowed_token_ids: token id {tok} is out of the "
+                             f"vocabulary (size {vocab_size}).")
 
 
 @dataclass(slots=True)
@@ -51,6 +57,14 @@ class SamplingMetadata:
     penalties: PenaltyTensors | None = None
     # (rows, token ids) forced to -inf: EOS / stop ids of rows still short of min_tokens.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # allowed_token_ids: True where a row may not sample (bool [B, V]).
+    allowed_tokens_mask: torch.Tensor | None = None
+    # bad_words: (rows, token ids) that would complete a banned word, forced to -inf.
+    bad_words_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # --logits-processors plugins (sample/logits_processors.py): the ones that may change
+    # the argmax run before greedy rows pick, the argmax-invariant ones after temperature.
+    logits_processors: tuple = ()
+    argmax_invariant_processors: tuple = ()
     # (rows, token ids, bias values) added to the logits.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Largest number of top logprobs any row asked for; None when no row wants logprobs.
@@ -85,7 +99,13 @@ class SamplingMetadata:
             vocab_size, device,
             penalties=PenaltyTensors.build(params, prompt_token_ids, output_token_ids,
                                            vocab_size, device),
-            logit_bias=_logit_bias(params, vocab_size, device))
+            logit_bias=_logit_bias(params, vocab_size, device),
+            allowed_tokens=allowed_tokens_mask(
+                [None if p.allowed_token_ids is None
+                 else allowed_ids_tensor(p.allowed_token_ids, device) for p in params],
+                vocab_size, device),
+            bad_words=bad_words_mask([p.bad_words_token_ids for p in params],
+                                     output_token_ids, device))
 
     @classmethod
     def assemble(
@@ -98,9 +118,11 @@ class SamplingMetadata:
         device: torch.device | str,
         penalties: PenaltyTensors | None,
         logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        allowed_tokens: torch.Tensor | None = None,
+        bad_words: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplingMetadata:
-        """Like ``build``, with the penalty and bias tensors already made (the model runner
-        keeps them in its persistent batch)."""
+        """Like ``build``, with the penalty, bias, allowed-token and bad-word tensors already
+        made (the model runner keeps the first three in its persistent batch)."""
         num_rows = len(params)
         assert num_rows > 0
         assert len(num_output_tokens) == len(generators) == len(eos_token_ids) == num_rows
@@ -118,6 +140,8 @@ class SamplingMetadata:
             min_tokens_mask=_min_tokens_mask(params, num_output_tokens, eos_token_ids,
                                              vocab_size, device),
             logit_bias=logit_bias,
+            allowed_tokens_mask=allowed_tokens,
+            bad_words_mask=bad_words,
         )
         if not all_greedy:
             _set_filters(meta, params, vocab_size, device)

@@ -78,9 +78,10 @@ def _record(ids: list[int], lps: list[float], rank: int, num_logprobs: int) -> L
 
 
 class Sampler:
-    """Order: the grammar bitmask (structured outputs) -> logit bias and min_tokens masking ->
-    penalties -> greedy rows take the argmax -> temperature -> min-p -> top-k / top-p ->
-    softmax -> exponential-noise sampling.
+    """Order: the grammar bitmask (structured outputs) -> allowed_token_ids and bad_words
+    masks -> --logits-processors that may change the argmax -> logit bias and min_tokens
+    masking -> penalties -> greedy rows take the argmax -> temperature -> argmax-invariant
+    processors -> min-p -> top-k / top-p -> softmax -> exponential-noise sampling.
 
     Logprobs come from the raw logits (before any of that but the grammar bitmask, as in vLLM:
     a constrained row's logprobs are those of what its grammar allows). ``logits`` [B, V] are
@@ -119,6 +120,13 @@ class Sampler:
 
     @staticmethod
     def _process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        # The masks first: a bias or penalty added to -inf leaves it -inf.
+        if meta.allowed_tokens_mask is not None:
+            logits.masked_fill_(meta.allowed_tokens_mask, _NEG_INF)
+        if meta.bad_words_mask is not None:
+            logits[meta.bad_words_mask] = _NEG_INF
+        for processor in meta.logits_processors:
+            logits = processor.apply(logits)
         if meta.logit_bias is not None:
             rows, tokens, values = meta.logit_bias
             logits.index_put_((rows, tokens), values, accumulate=True)
@@ -148,6 +156,8 @@ def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     if not meta.all_random:
         temperature = torch.where(temperature > 0, temperature, 1.0)
     logits = logits.div_(temperature.unsqueeze(1))
+    for processor in meta.argmax_invariant_processors:
+        logits = processor.apply(logits)
     if meta.min_p is not None:
         logits = apply_min_p(logits, meta.min_p)
     if meta.top_k is not None or meta.top_p is not None:

@@ -11,9 +11,10 @@ Pure Python (the scheduler reads it too).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from pagellm.config_flags import json_object_flag
 
 FLAG = "--speculative-config"
 METHODS = ("ngram", "draft_model")
@@ -99,20 +100,10 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     keys, wrong types, missing or out-of-range values."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        if not value.strip():
-            return None
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{FLAG}: not valid JSON ({e}); e.g. "
-                             '\'{"method": "ngram", "num_speculative_tokens": 4}\'.') from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{FLAG} must be a JSON object, got {type(value).__name__}.")
-    unknown = sorted(set(value) - set(_KEYS))
-    if unknown:
-        raise ValueError(f"{FLAG}: unknown key(s) {', '.join(map(repr, unknown))}; the keys "
-                         f"are {', '.join(_KEYS)}.")
+    value = json_object_flag(value, FLAG, _KEYS,
+                             '{"method": "ngram", "num_speculative_tokens": 4}')
+    if value is None:
+        return None
     method = _method(value)
     k = _int(value, "num_speculative_tokens", 1)
     if k is None:

@@ -33,9 +33,11 @@ def gets_proposals(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether the rejection sampler verifies this request exactly. Penalties, logit bias and
     min_tokens change the distribution with every emitted token (or per position), a grammar
     must see each token before the next is allowed, prompt logprobs are scored by the plain
-    path: such requests decode one token per step as without speculation."""
+    path, bad words and allowed ids are masks of the plain sampler: such requests decode one
+    token per step as without speculation."""
     return (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
             and params.repetition_penalty == 1.0 and not params.logit_bias
+            and not params.bad_words and params.allowed_token_ids is None
             and params.structured_outputs is None and params.prompt_logprobs is None
             and num_output_tokens >= params.min_tokens)
 

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagellm.structured_output.params import StructuredOutputsParams
+from pagellm.structured_output.params import JSON_KINDS, StructuredOutputsParams
+from pagellm.structured_output.structural_tag import structural_tag_json
 
 logger = logging.getLogger("pagellm")
 
@@ -34,9 +35,11 @@ STRUCTURED_OUTPUT_CACHE_ENTRIES = 256  # compiled grammars kept (LRU), per proce
 STRUCTURED_OUTPUT_CACHE_BYTES = 256 * 2**20
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: ".
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+# ... and some with the failed C++ check: "Check failed: (...) is false: ".
+_XGRAMMAR_CHECK = re.compile(r"^Check failed: .*? is false:\s*")
 _KIND_NAMES = {"json": "invalid JSON schema", "json_object": "invalid JSON schema",
                "regex": "invalid regex", "choice": "invalid choice",
-               "grammar": "invalid EBNF grammar"}
+               "grammar": "invalid EBNF grammar", "structural_tag": "invalid structural tag"}
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
 
 
@@ -56,11 +59,12 @@ def choice_grammar(choices: list[str]) -> str:
 def xgrammar_reason(error: BaseException) -> str:
     """xgrammar's message without its timestamp and source-file prefix."""
     text = str(error).strip()
-    return _XGRAMMAR_PREFIX.sub("", text).strip() or type(error).__name__
+    text = _XGRAMMAR_CHECK.sub("", _XGRAMMAR_PREFIX.sub("", text).strip(), count=1)
+    return text.strip() or type(error).__name__
 
 
-# (cache namespace, kind, canonical text, compact whitespace)
-CacheKey = tuple[str | None, str, str, bool]
+# (cache namespace, kind, canonical text, whitespace: "compact", a cap per run, or None)
+CacheKey = tuple[str | None, str, str, str | int | None]
 
 
 class GrammarCompiler:
@@ -122,9 +126,9 @@ class GrammarCompiler:
                 return entry[0]
         compiler = self.xgrammar_compiler()
         start = time.perf_counter()
-        _, kind, text, compact = key
+        _, kind, text, whitespace = key
         try:
-            compiled = _compile(compiler, kind, text, compact)
+            compiled = _compile(compiler, kind, text, whitespace)
         except Exception as e:  # xgrammar raises RuntimeError (and subclasses) for bad specs
             raise ValueError(f"structured_outputs.{kind}: {_KIND_NAMES[kind]}: "
                              f"{xgrammar_reason(e)}") from None
@@ -158,15 +162,20 @@ class GrammarCompiler:
             return self._cache_bytes
 
 
-def _compile(compiler: Any, kind: str, text: str, compact: bool) -> Any:
-    if kind == "json":
-        return compiler.compile_json_schema(text, any_whitespace=not compact)
-    if kind == "json_object":
-        return compiler.compile_json_schema(_ANY_OBJECT_SCHEMA, any_whitespace=not compact)
+def _compile(compiler: Any, kind: str, text: str, whitespace: str | int | None) -> Any:
+    if kind in JSON_KINDS:
+        schema = text if kind == "json" else _ANY_OBJECT_SCHEMA
+        if whitespace == "compact":
+            return compiler.compile_json_schema(schema, any_whitespace=False)
+        # A cap applies to each run of free whitespace (between tokens, after a separator).
+        return compiler.compile_json_schema(schema, any_whitespace=True,
+                                            max_whitespace_cnt=whitespace)
     if kind == "regex":
         return compiler.compile_regex(text)
     if kind == "choice":
         return compiler.compile_grammar(choice_grammar(json.loads(text)))
+    if kind == "structural_tag":
+        return compiler.compile_structural_tag(structural_tag_json(json.loads(text), whitespace))
     assert kind == "grammar", kind
     return compiler.compile_grammar(text)
 

@@ -16,7 +16,9 @@ from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.communication import all_reduce_min, broadcast_from_rank0
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagellm.forward_context import set_forward_context
+from pagellm.sample.bad_words import bad_words_mask
 from pagellm.sample.grammar import grammar_rows
+from pagellm.sample.logits_processors import LogitsProcessors, StepRow
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler, SamplerOutput
 from pagellm.spec_decode.runner import SpecDecodeRunner
@@ -99,6 +101,10 @@ class ModelRunner:
                                       self.vocab_size, self.device, samples=self.tp_rank == 0)
         self.input_batch.set_num_kv_groups(self.kv_layout.num_groups)
         self.sampler = Sampler(self.generator)
+        # --logits-processors plugins, on the rank that samples; None without the flag.
+        self.logits_processors = (LogitsProcessors(config.logits_processors, config,
+                                                   self.device)
+                                  if config.logits_processors and self.tp_rank == 0 else None)
         # Speculative decoding (--speculative-config; spec_decode/runner.py), None when off.
         self.spec_decode = (SpecDecodeRunner(config, self.generator, _step_seed, eos_token_id,
                                              self.tp_rank, self.tp_size)
@@ -449,10 +455,22 @@ class ModelRunner:
             vocab_size=self.vocab_size, device=self.device,
             penalties=sampling.penalty_tensors(rows, params),
             logit_bias=sampling.logit_bias(rows),
+            allowed_tokens=sampling.allowed_mask(rows),
+            bad_words=bad_words_mask([p.bad_words_token_ids for p in params],
+                                     [s.output_token_ids for s in sample_states], self.device),
         )
         if grammar_bitmask is not None:
             smeta.grammar_bitmask = grammar_rows(grammar_bitmask, sample_states, self.device)
+        if self.logits_processors is not None:
+            smeta.logits_processors, smeta.argmax_invariant_processors = (
+                self.logits_processors.step([self._step_row(s) for s in sample_states]))
         return self.sampler(logits, smeta)
+
+    def _step_row(self, state: CachedRequestState) -> StepRow:
+        token_ids = self.input_batch.token_ids
+        return StepRow(state.req_id, state.sampling_params,
+                       lambda: token_ids[state.row, :state.num_prompt_tokens].tolist(),
+                       state.output_token_ids)
 
 
 def _step_seed(seed: int | None, position: int) -> int:

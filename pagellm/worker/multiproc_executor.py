@@ -269,12 +269,14 @@ class _StepReply:
 
 
 def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """Rank r runs on cuda:r on CUDA; on CPU all ranks share the one config."""
+    """Rank r runs on cuda:(first + r), first being the config's GPU index (0, or a
+    data-parallel rank's first GPU); on CPU all ranks share the one config."""
     if config.device.device.type != "cuda":
         return config
     import torch
 
-    device = dataclasses.replace(config.device, device=torch.device("cuda", rank))
+    first = config.device.device.index or 0
+    device = dataclasses.replace(config.device, device=torch.device("cuda", first + rank))
     return dataclasses.replace(config, device=device)
 
 

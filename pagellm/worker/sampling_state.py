@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagellm.sample.allowed_tokens import allowed_ids_tensor, allowed_tokens_mask
 from pagellm.sample.penalties import PenaltyTensors
 from pagellm.sampling_params import SamplingParams
 
@@ -37,6 +38,7 @@ class SamplingState:
         self.prompt_mask: torch.Tensor | None = None  # bool [slots, V]
         self._free_slots: list[int] = []
         self.bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> (ids, values)
+        self.allowed: dict[int, torch.Tensor] = {}  # row -> its allowed_token_ids
         # Sampled tokens not yet counted on the device: one scatter per step, not per token.
         self._pending_slots: list[int] = []
         self._pending_tokens: list[int] = []
@@ -66,7 +68,11 @@ class SamplingState:
                     torch.tensor([b for _, b in pairs], dtype=torch.float32,
                                  device=self.device))
 
+        if params.allowed_token_ids is not None:
+            self.allowed[row] = allowed_ids_tensor(params.allowed_token_ids, self.device)
+
     def remove(self, row: int) -> None:
+        self.allowed.pop(row, None)
         slot = int(self.slot_of_row[row])
         if slot:
             # Its pending increments may still land; _take_slot clears the slot after them.
@@ -122,6 +128,13 @@ class SamplingState:
         return (torch.from_numpy(sample_rows).to(self.device),
                 torch.cat([ids for _, (ids, _) in found]),
                 torch.cat([values for _, (_, values) in found]))
+
+    def allowed_mask(self, rows: np.ndarray) -> torch.Tensor | None:
+        """The allowed_token_ids mask of ``rows`` (sampling order), or None."""
+        if not self.allowed:
+            return None
+        return allowed_tokens_mask([self.allowed.get(r) for r in rows.tolist()],
+                                   self.vocab_size, self.device)
 
     # ---- internals ----------------------------------------------------------------------
     def _ids(self, token_ids: list[int]) -> torch.Tensor:

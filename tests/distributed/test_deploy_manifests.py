@@ -11,8 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagellm.entrypoints.cli import build_parser
+from pagellm.entrypoints.openai.tenancy import OPEN_PATHS
+from pagellm.metrics.metric_specs import prefixes
+from pagellm.metrics.prometheus import PrometheusStatLogger
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "pagellm.yaml"
 
@@ -115,3 +119,110 @@ def test_services_and_autoscaler_point_at_the_right_pods() -> None:
             deployment["spec"]["template"]["metadata"]["labels"]
     target = docs["HorizontalPodAutoscaler", "pagellm"]["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", "pagellm")
+
+
+# ---- deploy/kubernetes/inference-pool.yaml: the Gateway API Inference Extension in front ----
+# Checked here for structure and cross-references (parsed with yaml; not validated against the
+# Inference Extension's CRD schemas, which no installable package here carries).
+POOL_MANIFEST = MANIFEST.parent / "inference-pool.yaml"
+POOL_GROUP = "inference.networking.k8s.io"
+
+
+def _pool_docs() -> dict[tuple[str, str], dict]:
+    docs = list(yaml.safe_load_all(POOL_MANIFEST.read_text()))
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert len(by_name) == len(docs)
+    return by_name
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    """--flag value pairs (every EPP flag here takes a value, possibly empty)."""
+    assert all(a.startswith("--") for a in args[::2]), args
+    return dict(zip(args[::2], args[1::2], strict=True))
+
+
+def test_inference_pool_selects_the_engine_pods() -> None:
+    engine = _docs()["Deployment", "pagellm"]
+    docs = _pool_docs()
+    pool = docs["InferencePool", "pagellm"]
+    assert pool["apiVersion"] == f"{POOL_GROUP}/v1"
+    spec = pool["spec"]
+    assert spec["selector"] == {"matchLabels": engine["spec"]["template"]["metadata"]["labels"]}
+    assert spec["targetPorts"] == [{"number": _port(_container(engine))}]
+    # The EPP's Service, on the port its container serves ext_proc (gRPC) on.
+    ref = spec["endpointPickerRef"]
+    assert ref["kind"] == "Service" and ref["failureMode"] in ("FailOpen", "FailClose")
+    service = docs["Service", ref["name"]]
+    (svc_port,) = [p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    assert svc_port["appProtocol"] == "http2"
+    epp = next(d for (kind, _), d in docs.items() if kind == "Deployment"
+               and service["spec"]["selector"] == d["spec"]["template"]["metadata"]["labels"])
+    container = _container(epp)
+    flags = _flags(container["args"])
+    assert int(flags["--grpc-port"]) == _port(container, svc_port["targetPort"])
+    assert flags["--pool-name"] == pool["metadata"]["name"]
+    assert flags["--pool-group"] == POOL_GROUP
+    assert flags["--pool-namespace"] == "$(NAMESPACE)"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    health = int(flags["--grpc-health-port"])
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == health == _port(container, "grpc-health")
+    # Its plugin configuration file is the ConfigMap mounted where --config-file points.
+    (mount,) = container["volumeMounts"]
+    (volume,) = epp["spec"]["template"]["spec"]["volumes"]
+    assert mount["name"] == volume["name"]
+    config_map = docs["ConfigMap", volume["configMap"]["name"]]
+    directory, _, key = flags["--config-file"].rpartition("/")
+    assert directory == mount["mountPath"]
+    config = yaml.safe_load(config_map["data"][key])
+    assert config["kind"] == "EndpointPickerConfig"
+    declared = {p["type"] for p in config["plugins"]}
+    used = {ref["pluginRef"] for profile in config["schedulingProfiles"]
+            for ref in profile["plugins"]}
+    assert used == declared
+
+
+def test_the_endpoint_picker_reads_metrics_the_engines_serve() -> None:
+    engine_ns = build_parser().parse_args(_container(_docs()["Deployment", "pagellm"])["args"])
+    # The metric families a server with the engine's command line exports.
+    served_by = PrometheusStatLogger(engine_ns.served_model_name or "m", engine_ns.max_model_len,
+                                     metric_names=engine_ns.metrics_names,
+                                     cache_config_info={"block_size": "16"})
+    served = {f.name for f in text_string_to_metric_families(served_by.render()[0].decode())}
+    assert "vllm" in prefixes(engine_ns.metrics_names)
+    epp = _pool_docs()["Deployment", "pagellm-epp"]
+    flags = _flags(_container(epp)["args"])
+    assert flags["--total-queued-requests-metric"] == "vllm:num_requests_waiting" in served
+    assert flags["--kv-cache-usage-percentage-metric"] == "vllm:kv_cache_usage_perc" in served
+    # pagellm has no LoRA adapters: no vllm:lora_requests_info, so the EPP must not ask for it.
+    assert "vllm:lora_requests_info" not in served
+    assert flags["--lora-info-metric"] == ""
+    # The engines' /metrics answers without an API key (the EPP sends none).
+    assert "/metrics" in OPEN_PATHS
+
+
+def test_route_and_permissions_of_the_endpoint_picker() -> None:
+    docs = _pool_docs()
+    route = docs["HTTPRoute", "pagellm"]
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{"group": POOL_GROUP, "kind": "InferencePool",
+                                    "name": "pagellm"}]
+    assert route["spec"]["parentRefs"][0]["kind"] == "Gateway"
+    epp = docs["Deployment", "pagellm-epp"]
+    account = epp["spec"]["template"]["spec"]["serviceAccountName"]
+    assert ("ServiceAccount", account) in docs
+    rules: list[dict] = []
+    for (kind, _), binding in docs.items():
+        if kind in ("RoleBinding", "ClusterRoleBinding"):
+            assert [s["name"] for s in binding["subjects"]] == [account]
+            role_kind = "Role" if kind == "RoleBinding" else "ClusterRole"
+            assert binding["roleRef"]["kind"] == role_kind
+            rules += docs[role_kind, binding["roleRef"]["name"]]["rules"]
+    granted = {(group, resource, verb) for r in rules for group in r["apiGroups"]
+               for resource in r["resources"] for verb in r["verbs"]}
+    for group, resource in (("", "pods"), (POOL_GROUP, "inferencepools"),
+                            ("inference.networking.x-k8s.io", "inferenceobjectives")):
+        for verb in ("get", "list", "watch"):
+            assert (group, resource, verb) in granted
+    assert ("authentication.k8s.io", "tokenreviews", "create") in granted

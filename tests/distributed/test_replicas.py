@@ -174,7 +174,8 @@ def test_the_routers_management_api_is_not_reachable_through_the_client_port(lau
             while chunk := conn.recv(65536):
                 reply += chunk
         assert reply.startswith(b"HTTP/1.1 404"), (method, path, reply[:200])
-        assert b"/v1/* and the health probes only" in reply, (method, path)
+        assert b"/v1/*, /inference/v1/generate and the health probes only" in reply, \
+            (method, path)
     assert _workers(router_url) == workers  # nothing was added or removed
     router_port = int(router_url.rsplit(":", 1)[1])
     assert _listen_addresses(router_port) == {"0100007F"}  # 127.0.0.1 only

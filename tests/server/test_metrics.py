@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagellm.core.sched_output import EngineCoreOutput
 from pagellm.metrics.logger import LoggingStatLogger
-from pagellm.metrics.prometheus import PrometheusStatLogger, token_buckets
+from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.metrics.request_stats import RequestStatsTracker
 from pagellm.metrics.stats import SchedulerStats
 
@@ -24,9 +24,30 @@ def samples(logger: PrometheusStatLogger) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def test_token_buckets():
-    assert token_buckets(1024) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 1024]
-    assert token_buckets(500) == [1, 2, 5, 10, 20, 50, 100, 200, 500]
+def test_a_stop_string_at_max_tokens_counts_as_stop():
+    """The client is told "stop" when a stop string completes in the step that also reaches
+    max_tokens (the engine says "length"); the success counter must agree with it."""
+    from server_fakes import make_tokenizer
+
+    from pagellm.engine.output_processor import OutputProcessor
+    from pagellm.sampling_params import SamplingParams
+
+    processor, stats = OutputProcessor(make_tokenizer()), RequestStatsTracker()
+    params = SamplingParams(max_tokens=2, stop=["w3"], temperature=0.0)
+    for rid in ("a", "b"):
+        processor.add_request(rid, None, [1], params, [rid])
+        stats.add(rid, arrival_time=0.0, num_prompt_tokens=1)
+    outputs = [EngineCoreOutput("a", [2]), EngineCoreOutput("b", [2])]
+    stats.update(outputs, {}, processor.process_outputs(outputs).stopped_by_string, now=1.0)
+    # "a": the stop string and max_tokens in one step; "b": only max_tokens.
+    outputs = [EngineCoreOutput("a", [3], "length"), EngineCoreOutput("b", [4], "length")]
+    processed = processor.process_outputs(outputs)
+    assert processed.reqs_to_stop == []  # the engine finished both itself
+    told = {o.request_id: o.outputs[0].finish_reason for o in processed.request_outputs}
+    assert told == {"a": "stop", "b": "length"}
+    it = stats.update(outputs, {}, processed.stopped_by_string, now=2.0)
+    assert {f.finish_reason for f in it.finished} == {"stop", "length"}
+    assert sorted(f.finish_reason for f in it.finished) == sorted(told.values())
 
 
 def test_tracker_timeline():

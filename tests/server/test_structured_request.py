@@ -88,7 +88,7 @@ def test_an_invalid_value_is_a_400_naming_its_field(fields, param):
 @pytest.mark.parametrize("fields", [
     {"response_format": {"type": "json_schema"}},  # no schema
     {"response_format": {"type": "xml"}},
-    {"structured_outputs": {"structural_tag": "x"}},  # a vLLM key pagellm lacks: refused
+    {"structured_outputs": {"whitespace_pattern": "x"}},  # a vLLM key pagellm lacks: refused
     {"guided_choice": "yes"},
 ])
 def test_malformed_fields_fail_validation(fields):

@@ -15,7 +15,8 @@ from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({}, "exactly one of json, regex, choice, grammar, json_object must be set \\(got none\\)"),
+    ({}, "exactly one of json, regex, choice, grammar, json_object, structural_tag must be "
+         "set \\(got none\\)"),
     ({"json": {}, "regex": "a"}, "\\(got json, regex\\)"),
     ({"json_object": False}, "got none"),
     ({"json": "{not json"}, "structured_outputs.json: not valid JSON"),
@@ -29,7 +30,7 @@ from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
     ({"choice": ["a", ""]}, "structured_outputs.choice must be a non-empty list"),
     ({"json_object": "yes"}, "structured_outputs.json_object must be a bool"),
     ({"regex": "a", "disable_any_whitespace": True},
-     "disable_any_whitespace applies to json and json_object only"),
+     "disable_any_whitespace applies to json, json_object and structural_tag only"),
 ])
 def test_params_reject_bad_specs(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):

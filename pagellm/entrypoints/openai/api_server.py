@@ -9,7 +9,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -17,6 +17,9 @@ from fastapi.responses import JSONResponse, Response
 
 import pagellm
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.anthropic.errors import MESSAGES_PATH_PREFIX, anthropic_error_response
+from pagellm.entrypoints.anthropic.routes import add_anthropic_routes
+from pagellm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagellm.entrypoints.openai.admin_routes import AdminOptions, add_admin_routes
 from pagellm.entrypoints.openai.chat_tools import ChatToolOptions
 from pagellm.entrypoints.openai.limits import RequestLimitsMiddleware, ServerLimits
@@ -30,6 +33,10 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagellm.entrypoints.openai.protocol_generate import GENERATE_PATH, GenerateRequest
+from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagellm.entrypoints.openai.request_ids import RequestIdHeaderMiddleware
+from pagellm.entrypoints.openai.response_store import ResponseStore
 from pagellm.entrypoints.openai.serving_chat import ChatRenderer, OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_engine import ServedModels, TokenizerPool
@@ -38,6 +45,12 @@ from pagellm.entrypoints.openai.serving_errors import (
     error_body,
     install_error_handlers,
     model_not_found,
+)
+from pagellm.entrypoints.openai.serving_generate import OpenAIServingTokens
+from pagellm.entrypoints.openai.serving_render import add_render_routes
+from pagellm.entrypoints.openai.serving_responses import (
+    OpenAIServingResponses,
+    add_responses_routes,
 )
 from pagellm.entrypoints.openai.serving_tokenization import tokenizer_info
 from pagellm.entrypoints.openai.tenancy import (
@@ -50,15 +63,18 @@ from pagellm.entrypoints.openai.tenancy import (
     cache_namespace,
 )
 
+if TYPE_CHECKING:
+    from pagellm.entrypoints.openai.tracing import RequestTracer
+
 logger = logging.getLogger("pagellm")
 
 ENGINE_DEAD_GRACE_S = 2.0  # /health answers 503 this long before the server exits
 
 
 class ApiKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` matches one of the keys (constant-time
-    compare); a match leaves the key's tenant identity (for the cache namespace) and its role
-    (for the admin routes) in the scope."""
+    """401 unless ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``) matches
+    one of the keys (constant-time compare); a match leaves the key's tenant identity (for the
+    cache namespace) and its role (for the admin routes) in the scope."""
 
     def __init__(self, app: Any, api_key: str | ApiKeys) -> None:
         self.app = app
@@ -69,12 +85,15 @@ class ApiKeyMiddleware:
                 or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        given = b""
+        given, x_api_key = b"", None
         for name, value in scope.get("headers", ()):
-            if name == b"authorization":
+            if name == b"authorization" and not given:
                 given = value
-                break
+            elif name == b"x-api-key" and x_api_key is None:
+                x_api_key = value
         caller = self.keys.caller_of(given)
+        if caller is None and x_api_key is not None:
+            caller = self.keys.caller_of(b"Bearer " + x_api_key)
         if caller is not None:
             scope[TENANT_SCOPE_KEY] = caller.identity
             scope[ROLE_SCOPE_KEY] = caller.role
@@ -83,6 +102,9 @@ class ApiKeyMiddleware:
         response = JSONResponse(error_body(401, "Invalid or missing API key (send "
                                            "'Authorization: Bearer <key>').",
                                            code="invalid_api_key"), status_code=401)
+        if scope["path"].startswith(MESSAGES_PATH_PREFIX):  # Anthropic's routes, its shape
+            response = anthropic_error_response(401, "Invalid or missing API key (send "
+                                                "'x-api-key: <key>').")
         await response(scope, receive, send)
 
 
@@ -118,7 +140,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
               health_max_step_s: float = 0.0,
               enable_tokenizer_info_endpoint: bool = False,
               tool_options: ChatToolOptions | None = None,
-              admin: AdminOptions | None = None) -> FastAPI:
+              admin: AdminOptions | None = None,
+              tracer: RequestTracer | None = None,
+              enable_request_id_headers: bool = False,
+              enable_per_request_metrics: bool = False,
+              response_store: ResponseStore | None = None) -> FastAPI:
     """``api_key``: one key or several (ApiKeys); with ``prefix_cache_scope`` "key" each key's
     tenant gets its own prefix-cache namespace (a request's cache_salt narrows it further).
     ``health_max_step_s`` (> 0): /health answers 503 once requests have waited this long for
@@ -126,7 +152,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
     ``enable_tokenizer_info_endpoint``: add GET /tokenizer_info (it shows the chat template).
     ``tool_options``: tool calling and reasoning (--enable-auto-tool-choice, --tool-call-parser,
     --reasoning-parser, ...). ``admin``: who may run the admin routes (admin_routes.py; default:
-    admin keys only, and none without keys)."""
+    admin keys only, and none without keys).
+    ``tracer``: --otlp-traces-endpoint's span maker (tracing.py; None: no tracing).
+    ``enable_request_id_headers``: responses carry X-Request-Id (request_ids.py).
+    ``enable_per_request_metrics``: generation responses carry vLLM's ``metrics`` object.
+    ``response_store``: /v1/responses' store (default: response_store.py's bounds)."""
     if prefix_cache_scope not in PREFIX_CACHE_SCOPES:
         raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, got "
                          f"{prefix_cache_scope!r}")
@@ -140,10 +170,15 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
     tokenizer_pool = TokenizerPool(engine.tokenizer)
     completions = OpenAIServingCompletion(engine, models, limits, tokenizer_pool)
     chat = OpenAIServingChat(engine, models, renderer, limits, tokenizer_pool, tool_options)
-    for serving in (completions, chat):
+    tokens = OpenAIServingTokens(engine, models, limits, tokenizer_pool)  # /inference/v1/generate
+    for serving in (completions, chat, tokens):
         serving.enable_prompt_tokens_details = enable_prompt_tokens_details
+        serving.tracer = tracer
+        serving.enable_per_request_metrics = enable_per_request_metrics
 
-    def scope_salt(body: CompletionRequest | ChatCompletionRequest, raw_request: Request) -> None:
+    def scope_salt(body: CompletionRequest | ChatCompletionRequest | GenerateRequest
+                   | ResponsesRequest,
+                   raw_request: Request) -> None:
         """The engine sees the tenant's namespace (never the key) plus the client's salt."""
         tenant = raw_request.scope.get(TENANT_SCOPE_KEY) if prefix_cache_scope == "key" \
             else None
@@ -167,6 +202,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
     app.add_middleware(RequestLimitsMiddleware, limits=limits)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if enable_request_id_headers:  # outermost: a 401 or 413 carries the header too
+        app.add_middleware(RequestIdHeaderMiddleware)
 
     stall_logged = False  # log a stall once, not at every probe
 
@@ -214,14 +251,34 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
     @with_cancellation
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
         scope_salt(body, raw_request)
-        return await completions.create(body)
+        return await completions.create(body, raw_request)
 
     @app.post("/v1/chat/completions")
     @with_cancellation
     async def create_chat_completion(body: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
         scope_salt(body, raw_request)
-        return await chat.create(body)
+        return await chat.create(body, raw_request)
+
+    add_render_routes(app, completions, chat)  # vLLM's /v1/{,chat/}completions/render
+    # Anthropic's /v1/messages{,/count_tokens}, through the chat path.
+    add_anthropic_routes(app, AnthropicServingMessages(chat, scope_salt), with_cancellation)
+
+    responses = OpenAIServingResponses(chat, response_store or ResponseStore())
+
+    @app.post("/v1/responses")  # OpenAI's Responses API, on the chat path
+    @with_cancellation
+    async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
+        scope_salt(body, raw_request)
+        return await responses.create(body, raw_request)
+
+    add_responses_routes(app, responses)  # GET/DELETE /v1/responses/{id}, .../cancel
+
+    @app.post(GENERATE_PATH)  # vLLM's token-in/token-out generation (serving_generate.py)
+    @with_cancellation
+    async def generate_tokens(body: GenerateRequest, raw_request: Request) -> Response:
+        scope_salt(body, raw_request)
+        return await tokens.create(body, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -4,11 +4,15 @@ reading of the answer (vLLM's rules):
 - ``none``: no call is read from the answer (the tools still reach the chat template unless
   --exclude-tools-when-tool-choice-none).
 - ``auto`` (the default when tools are given): the model decides; the answer is read with
-  --tool-call-parser, which needs --enable-auto-tool-choice (else a 400).
-- ``required``: the answer is constrained to a JSON array of ``{"name", "parameters"}`` objects,
-  one of the tools each, at least one (at most one with parallel_tool_calls false).
-- ``{"type": "function", "function": {"name": N}}``: the answer is constrained to N's parameters
-  schema and is N's arguments."""
+  --tool-call-parser, which needs --enable-auto-tool-choice (else a 400). With a ``strict``
+  tool and a parser whose format has a trigger, it is constrained to free text or well-formed
+  calls (tool_parsers/call_tags.py).
+- ``required``: the answer is constrained to one or more calls, of the tools (at most one with
+  parallel_tool_calls false): in the parser's own format where it has a CallTagFormat, else a
+  JSON array of ``{"name", "parameters"}`` objects.
+- ``{"type": "function", "function": {"name": N}}``: the answer is constrained to one call of N,
+  its arguments to N's parameters schema: in the parser's format where it has a CallTagFormat,
+  else the bare arguments object."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from pagellm.entrypoints.openai.protocol_tools import ChatTool, NamedToolChoice
 from pagellm.entrypoints.openai.serving_errors import bad_request
 from pagellm.entrypoints.openai.structured_request import Constraint, check_spec_caps
 from pagellm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
+from pagellm.entrypoints.openai.tool_parsers.call_tags import call_tag_format
 from pagellm.entrypoints.openai.tool_parsers.forced_tool_parsers import (
     NamedFunctionParser,
     RequiredToolsParser,
@@ -56,9 +61,11 @@ class ChatToolOptions:
 @dataclass
 class ToolPlan:
     template_tools: list[dict[str, Any]] | None  # the chat template's ``tools``
-    constraint: Constraint | None  # required / named: the answer's JSON schema
+    constraint: Constraint | None  # required / named (strict auto): what the answer must match
     parser: ToolParser | None  # how the answer is read; None: plain content
     max_calls: int | None  # 1 with parallel_tool_calls false
+    # The constraint lets free text come before a call (auto's), a reasoning block included.
+    free_text: bool = False
 
 
 def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice | None,
@@ -90,10 +97,25 @@ def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice 
         if not options.enable_auto_tool_choice or options.tool_call_parser is None:
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and '
                               "--tool-call-parser to be set.", "tool_choice")
-        return ToolPlan(template_tools, None, get_tool_parser(options.tool_call_parser),
-                        max_calls)
+        parser = get_tool_parser(options.tool_call_parser).for_tools(tools)
+        tags = call_tag_format(options.tool_call_parser)
+        auto = tags.auto(tools, max_calls) if tags is not None else None
+        if auto is None:
+            return ToolPlan(template_tools, None, parser, max_calls)
+        check_spec_caps("json", [t.function.parameters for t in tools], "tools", limits)
+        # optional: a response_format the request has wins (the calls are then read as before).
+        return ToolPlan(template_tools, Constraint("tools", "structural_tag", auto, optional=True),
+                        parser, max_calls, free_text=True)
+    # A forced call in the parser's own format, where it has one; else bare JSON.
+    tags = call_tag_format(options.tool_call_parser)
     if tool_choice == "required":
         check_spec_caps("json", [t.function.parameters for t in tools], "tools", limits)
+        if tags is not None:
+            assert options.tool_call_parser is not None
+            return ToolPlan(template_tools, Constraint("tool_choice", "structural_tag",
+                                                       tags.required(tools, max_calls)),
+                            get_tool_parser(options.tool_call_parser).for_tools(tools),
+                            max_calls)
         schema = required_tools_schema(tools, max_calls)
         return ToolPlan(template_tools, Constraint("tool_choice", "json", schema),
                         RequiredToolsParser(), max_calls)
@@ -105,6 +127,11 @@ def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice 
                           "tools.", "tool_choice")
     schema = tool.function.parameters or _ANY_OBJECT
     check_spec_caps("json", [schema], "tools", limits)
+    if tags is not None:
+        assert options.tool_call_parser is not None
+        return ToolPlan(template_tools, Constraint("tool_choice", "structural_tag",
+                                                   tags.named(tool)),
+                        get_tool_parser(options.tool_call_parser).for_tools(tools), max_calls)
     return ToolPlan(template_tools, Constraint("tool_choice", "json", schema),
                     NamedFunctionParser(name), max_calls)
 

@@ -8,15 +8,27 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pagellm.engine.data_parallel import add_multi_node_dp_flags
 from pagellm.engine_args import EngineArgs
 from pagellm.entrypoints.openai import limits
 from pagellm.entrypoints.openai.admin_routes import AdminOptions
 from pagellm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from pagellm.entrypoints.openai.response_store import (
+    DEFAULT_MAX_STORED_RESPONSE_BYTES,
+    DEFAULT_MAX_STORED_RESPONSES,
+    DEFAULT_STORED_RESPONSE_TTL_S,
+    ResponseStore,
+)
 from pagellm.entrypoints.openai.tenancy import ADMIN_PATHS, PREFIX_CACHE_SCOPES, load_api_keys
 from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagellm.entrypoints.ports import listen_socket
+from pagellm.metrics.metric_specs import DEFAULT_METRIC_NAMES, METRIC_NAMES
+from pagellm.structured_output.params import DEFAULT_MAX_WHITESPACE_CNT
+
+if TYPE_CHECKING:
+    from pagellm.entrypoints.openai.tracing import RequestTracer
 
 logger = logging.getLogger("pagellm")
 
@@ -80,6 +92,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="split <think>...</think> into message.reasoning_content: qwen3 "
                             "(when the answer opens with <think>) or deepseek_r1 (everything "
                             "before </think>)")
+    store = parser.add_argument_group("/v1/responses store (see docs/serving.md, Responses API)")
+    store.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
+                       help="responses kept for previous_response_id and GET /v1/responses/{id}"
+                            ", per tenant (API key; its oldest go first; 0: none)")
+    store.add_argument("--max-stored-response-bytes", type=int,
+                       default=DEFAULT_MAX_STORED_RESPONSE_BYTES,
+                       help="bytes (as JSON) one tenant's stored responses and their "
+                            "conversations may hold together; its oldest go first")
+    store.add_argument("--stored-response-ttl", type=float,
+                       default=DEFAULT_STORED_RESPONSE_TTL_S,
+                       help="seconds a stored response is kept")
     g.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction,
                    default=False,
                    help="serve GET /tokenizer_info (vLLM's): the tokenizer's configuration and "
@@ -91,6 +114,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-log-len", type=int, default=None,
                    help="with --enable-log-requests: log at most this many prompt characters "
                         "(or token ids) (default: all)")
+    g.add_argument("--metrics-names", choices=METRIC_NAMES, default=DEFAULT_METRIC_NAMES,
+                   help="/metrics names: vllm (vLLM's vllm:* names and labels, for endpoint "
+                        "pickers, KEDA and dashboards written for vLLM), pagellm (the same "
+                        "metrics as pagellm:*), or both (default; twice the series)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--health-max-step-seconds", type=float, default=DEFAULT_HEALTH_MAX_STEP_S,
@@ -98,6 +125,28 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="/health answers 503 once requests have waited S seconds with no engine "
                         f"step completing (a wedged engine) (default {DEFAULT_HEALTH_MAX_STEP_S:g};"
                         " 0 disables)")
+    g.add_argument("--structured-outputs-max-whitespace-cnt", type=_max_whitespace_cnt,
+                   default=DEFAULT_MAX_WHITESPACE_CNT, metavar="N|none",
+                   help="JSON-constrained output (json_schema, json_object, forced tool calls) "
+                        "may hold at most N whitespace characters in a row between JSON tokens "
+                        f"(default {DEFAULT_MAX_WHITESPACE_CNT}: small models otherwise emit "
+                        "whitespace until max_tokens); none: unbounded, as vLLM; a request's "
+                        "structured_outputs.max_whitespace_cnt overrides it")
+    obs = parser.add_argument_group("tracing and request ids (see docs/serving.md, Tracing)")
+    obs.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                     help="export an OpenTelemetry span (llm_request) per request to this OTLP "
+                          "collector, a child of the request's traceparent header (needs "
+                          "pip install 'pagellm[tracing]'; OTLP over gRPC unless "
+                          "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf)")
+    obs.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction,
+                     default=False,
+                     help="responses carry X-Request-Id: the request's own X-Request-Id, else "
+                          "the id the server gave it")
+    obs.add_argument("--enable-per-request-metrics", action=argparse.BooleanOptionalAction,
+                     default=False,
+                     help="completion responses carry a 'metrics' object with the request's "
+                          "queue time, TTFT, decode time, mean ITL and tokens/s (streamed: in "
+                          "the usage chunk)")
     lim = parser.add_argument_group("request limits (see docs/reliability.md)")
     lim.add_argument("--max-request-body-bytes", type=int,
                      default=limits.DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -137,6 +186,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                           "levels of objects are 21), also for a schema sent as a string")
     lim.add_argument("--max-tools", type=int, default=limits.DEFAULT_MAX_TOOLS,
                      help="most tools per chat request (default 128, as OpenAI)")
+    lim.add_argument("--max-bad-words", type=int, default=limits.DEFAULT_MAX_BAD_WORDS,
+                     help="most bad_words per request (default 128); each at most "
+                          "--max-stop-length characters")
+    lim.add_argument("--max-chat-template-kwargs-bytes", type=int,
+                     default=limits.DEFAULT_MAX_CHAT_TEMPLATE_KWARGS_BYTES,
+                     help="largest chat_template_kwargs, as JSON bytes (default 16384)")
+    lim.add_argument("--max-documents", type=int, default=limits.DEFAULT_MAX_DOCUMENTS,
+                     help="most chat documents per request (default 64)")
     lim.add_argument("--max-structured-outputs-compiles", type=int,
                      default=limits.DEFAULT_MAX_STRUCTURED_OUTPUTS_COMPILES,
                      help="grammar compiles running or queued in the API server (off the event "
@@ -168,10 +225,27 @@ def server_limits_from(ns: argparse.Namespace) -> limits.ServerLimits:
         max_structured_outputs_spec_bytes=ns.max_structured_outputs_spec_bytes,
         max_structured_outputs_choices=ns.max_structured_outputs_choices,
         max_structured_outputs_depth=ns.max_structured_outputs_depth, max_tools=ns.max_tools,
+        max_bad_words=ns.max_bad_words,
+        max_chat_template_kwargs_bytes=ns.max_chat_template_kwargs_bytes,
+        max_documents=ns.max_documents,
         max_structured_outputs_compiles=ns.max_structured_outputs_compiles,
         structured_outputs_compile_timeout=ns.structured_outputs_compile_timeout,
         max_waiting_requests=ns.max_waiting_requests,
-        max_num_queued_tokens=ns.max_num_queued_tokens)
+        max_num_queued_tokens=ns.max_num_queued_tokens,
+        structured_outputs_max_whitespace_cnt=ns.structured_outputs_max_whitespace_cnt)
+
+
+def _max_whitespace_cnt(text: str) -> int | None:
+    """--structured-outputs-max-whitespace-cnt: a positive integer, or none (unbounded)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or none, got {text!r}")
+    return value
 
 
 def admin_options_from(ns: argparse.Namespace, keys_configured: bool) -> AdminOptions:
@@ -185,12 +259,23 @@ def admin_options_from(ns: argparse.Namespace, keys_configured: bool) -> AdminOp
     return AdminOptions(enable_admin_routes=ns.enable_admin_routes, allowed_weights_path=root)
 
 
+def request_tracer_from(ns: argparse.Namespace, protocol: str) -> RequestTracer | None:
+    """--otlp-traces-endpoint's tracer (``protocol``: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL), or
+    None; ValueError names the flag (and the pip command, without the packages)."""
+    if ns.otlp_traces_endpoint is None:
+        return None
+    from pagellm.entrypoints.openai.tracing import RequestTracer, otlp_tracer_provider
+
+    return RequestTracer(otlp_tracer_provider(ns.otlp_traces_endpoint, protocol))
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (default: SmolLM2-135M-Instruct) with an OpenAI-compatible API: "
                     "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, ...")
     EngineArgs.add_cli_args(parser)
+    add_multi_node_dp_flags(parser)  # vLLM's, each refused with the reason
     add_server_args(parser)
     parser.set_defaults(func=run_serve)
     return parser
@@ -223,6 +308,7 @@ def run_serve(ns: argparse.Namespace) -> None:
     args = EngineArgs.from_cli_args(ns)  # served_model_name: the first of names
     engine = None
     sock = None
+    tracer = None
     exit_code = 0
     try:
         try:
@@ -236,6 +322,10 @@ def run_serve(ns: argparse.Namespace) -> None:
             api_keys = load_api_keys(ns.api_key, ns.api_key_file, config.env.api_key,
                                      ns.admin_api_key, config.env.admin_api_key)
             admin = admin_options_from(ns, api_keys is not None)
+            tracer = request_tracer_from(ns, config.env.otlp_traces_protocol)
+            response_store = ResponseStore(ns.max_stored_responses,
+                                           ns.max_stored_response_bytes,
+                                           ns.stored_response_ttl)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
@@ -251,13 +341,17 @@ def run_serve(ns: argparse.Namespace) -> None:
             logger.info("%s; prefix cache scope: %s.", api_keys.describe(),
                         ns.prefix_cache_scope)
         engine = AsyncLLM(config, log_stats=not ns.disable_log_stats,
-                          log_requests=ns.enable_log_requests, max_log_len=ns.max_log_len)
+                          log_requests=ns.enable_log_requests, max_log_len=ns.max_log_len,
+                          metric_names=ns.metrics_names)
         app = build_app(engine, names, chat_template, api_keys, server_limits,
                         prefix_cache_scope=ns.prefix_cache_scope,
                         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
                         health_max_step_s=ns.health_max_step_seconds,
                         enable_tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint,
-                        tool_options=tool_options, admin=admin)
+                        tool_options=tool_options, admin=admin, tracer=tracer,
+                        enable_request_id_headers=ns.enable_request_id_headers,
+                        enable_per_request_metrics=ns.enable_per_request_metrics,
+                        response_store=response_store)
         if ns.host not in ("127.0.0.1", "localhost", "::1") and api_keys is None:
             logger.warning("Serving on %s without --api-key: anyone who can reach this port "
                            "can use the model%s.", ns.host,
@@ -270,6 +364,8 @@ def run_serve(ns: argparse.Namespace) -> None:
             engine.shutdown()
         if sock is not None:
             sock.close()
+        if tracer is not None:
+            tracer.shutdown()  # exports the spans still batched
     if exit_code:
         raise SystemExit(exit_code)
 

@@ -16,6 +16,7 @@ import numpy as np
 from fastapi.responses import JSONResponse
 
 from pagellm.entrypoints.openai.serving_errors import error_body
+from pagellm.structured_output.params import DEFAULT_MAX_WHITESPACE_CNT
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 2**20  # a 128k-token prompt as ids is about 1 MiB
 DEFAULT_MAX_JSON_DEPTH = 32  # real requests nest 4 deep; Python's parser recurses per level
@@ -34,6 +35,11 @@ DEFAULT_MAX_STRUCTURED_OUTPUTS_SPEC_BYTES = 128 * 2**10  # schema, regex, gramma
 DEFAULT_MAX_STRUCTURED_OUTPUTS_CHOICES = 1000  # choice entries, or a schema's enum values (OpenAI)
 DEFAULT_MAX_STRUCTURED_OUTPUTS_DEPTH = 24  # JSON levels; OpenAI's 10 object levels are 21
 DEFAULT_MAX_TOOLS = 128  # as OpenAI
+# bad_words: each word is matched against the output's tail at every step, in Python.
+DEFAULT_MAX_BAD_WORDS = 128
+# chat_template_kwargs as JSON: real ones are a few flags (enable_thinking...).
+DEFAULT_MAX_CHAT_TEMPLATE_KWARGS_BYTES = 16 * 2**10
+DEFAULT_MAX_DOCUMENTS = 64  # chat documents (RAG templates loop over them)
 DEFAULT_MAX_STRUCTURED_OUTPUTS_COMPILES = 8  # compiling or queued in the API server; then 503
 DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S = 10.0  # a request's wait for its compile; then 503
 # Without --max-waiting-requests, this many times --max-num-seqs may wait: deep enough to keep
@@ -56,6 +62,9 @@ class ServerLimits:
     max_structured_outputs_choices: int = DEFAULT_MAX_STRUCTURED_OUTPUTS_CHOICES
     max_structured_outputs_depth: int = DEFAULT_MAX_STRUCTURED_OUTPUTS_DEPTH
     max_tools: int = DEFAULT_MAX_TOOLS
+    max_bad_words: int = DEFAULT_MAX_BAD_WORDS
+    max_chat_template_kwargs_bytes: int = DEFAULT_MAX_CHAT_TEMPLATE_KWARGS_BYTES
+    max_documents: int = DEFAULT_MAX_DOCUMENTS
     max_structured_outputs_compiles: int = DEFAULT_MAX_STRUCTURED_OUTPUTS_COMPILES
     structured_outputs_compile_timeout: float = DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S
     # Sequences that may wait beyond --max-num-seqs before new requests get 503;
@@ -64,6 +73,9 @@ class ServerLimits:
     # --max-num-queued-tokens (vLLM's): 503 while the prompts still waiting for their first
     # token hold at least this many tokens; None: no bound.
     max_num_queued_tokens: int | None = None
+    # --structured-outputs-max-whitespace-cnt: whitespace a JSON grammar allows in a row, for
+    # requests that do not say (structured_outputs.max_whitespace_cnt); None: unbounded.
+    structured_outputs_max_whitespace_cnt: int | None = DEFAULT_MAX_WHITESPACE_CNT
 
     def waiting_cap(self, max_num_seqs: int) -> int:
         if self.max_waiting_requests is not None:
@@ -76,7 +88,8 @@ class ServerLimits:
                      "max_logit_bias", "max_prompt_logprobs_entries",
                      "max_structured_outputs_spec_bytes",
                      "max_structured_outputs_choices", "max_structured_outputs_depth",
-                     "max_tools", "max_structured_outputs_compiles"):
+                     "max_tools", "max_structured_outputs_compiles", "max_bad_words",
+                     "max_chat_template_kwargs_bytes", "max_documents"):
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}.")
@@ -89,6 +102,10 @@ class ServerLimits:
         if self.max_num_queued_tokens is not None and self.max_num_queued_tokens < 1:
             raise ValueError("--max-num-queued-tokens must be >= 1, "
                              f"got {self.max_num_queued_tokens}.")
+        cnt = self.structured_outputs_max_whitespace_cnt
+        if cnt is not None and cnt < 1:
+            raise ValueError("--structured-outputs-max-whitespace-cnt must be >= 1 (or none: "
+                             f"unbounded), got {cnt}.")
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

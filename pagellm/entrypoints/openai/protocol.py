@@ -60,23 +60,15 @@ UNSUPPORTED_FIELDS: tuple[UnsupportedField, ...] = (
     UnsupportedField("function_call", _TOOLS, ("none", "auto")),
     UnsupportedField("use_beam_search", "beam search", (False,)),
     UnsupportedField("length_penalty", "beam search", (1.0,)),
-    UnsupportedField("bad_words", "banned words", ([],)),
-    UnsupportedField("allowed_token_ids", "restricting sampling to given token ids"),
-    UnsupportedField("truncate_prompt_tokens", "prompt truncation"),
-    UnsupportedField("logits_processors", "custom logits processors", ([],)),
+    # As vLLM V1: no per-request processors; plugins load with --logits-processors at
+    # start-up and read a request's vllm_xargs (sample/logits_processors.py).
+    UnsupportedField("logits_processors", "per-request logits processors (load plugins with "
+                     "--logits-processors and pass their arguments in vllm_xargs)", ([],)),
     UnsupportedField("spaces_between_special_tokens", "detokenization options", (True,)),
     UnsupportedField("return_tokens_as_token_ids", "token ids in logprobs", (False,)),
-    UnsupportedField("return_token_ids", "token ids in responses", (False,)),
     UnsupportedField("suffix", "insertion (text after the completion)", ("",),
                      ("completions",)),
-    UnsupportedField("add_special_tokens", "prompts without special tokens", (True,),
-                     ("completions",)),
-    UnsupportedField("add_special_tokens", "special tokens around the chat template", (False,),
-                     ("chat",)),
-    UnsupportedField("echo", "echoing the last message", (False,), ("chat",)),
     UnsupportedField("chat_template", "per-request chat templates", (), ("chat",)),
-    UnsupportedField("chat_template_kwargs", "chat template arguments", ({},), ("chat",)),
-    UnsupportedField("documents", "documents for the chat template", ([],), ("chat",)),
     UnsupportedField("mm_processor_kwargs", "multimodal input", ({},)),
     UnsupportedField("audio", "audio output", (), ("chat",)),
     UnsupportedField("modalities", "output modalities other than text", (["text"],),
@@ -86,7 +78,6 @@ UNSUPPORTED_FIELDS: tuple[UnsupportedField, ...] = (
     UnsupportedField("reasoning_effort", "reasoning controls", (), ("chat",)),
     UnsupportedField("verbosity", "verbosity controls", (), ("chat",)),
     UnsupportedField("kv_transfer_params", "disaggregated prefill"),
-    UnsupportedField("vllm_xargs", "vLLM extension arguments"),
     # SGLang's fields, which vllm-router adds to every request it forwards, at these values.
     UnsupportedField("no_stop_trim", "untrimmed stop strings (use include_stop_str_in_output)",
                      (False,)),
@@ -154,6 +145,15 @@ class SamplingFields(OpenAIModel):
     priority: int = 0  # lower is served sooner; needs --scheduling-policy priority
     # vLLM's: each prompt token's logprob (the first's is null) plus the top-N, in the response.
     prompt_logprobs: int | None = None
+    # vLLM's, for RL: the prompt's token ids and each choice's (streamed: its new ones).
+    return_token_ids: bool | None = None
+    # vLLM's: words never generated, the only ids that may be sampled, and the prompt cut to
+    # its last k tokens (-1: max_model_len) before the length checks.
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    # vLLM's: arguments for the --logits-processors plugins (SamplingParams.extra_args).
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Structured output (structured_request.py): at most one of these asks for a constraint.
@@ -216,6 +216,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
+    add_special_tokens: bool = True  # the tokenizer's BOS/EOS around a text prompt (vLLM's)
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
@@ -260,9 +261,17 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # The tokenizer's special tokens on top of what the template writes (vLLM's default: no).
+    add_special_tokens: bool = False
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = True  # false: at most one call
+    # vLLM's: extra variables for the chat template (enable_thinking...), JSON data only, and
+    # documents for RAG templates; chat_template_args.py checks them.
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    # vLLM's: the last message's content (when it is the answer's role) starts the answer.
+    echo: bool = False
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -317,6 +326,10 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobsList | None = None
+    # return_token_ids (vLLM's): the prompt's ids (streamed: in a choice's first chunk only)
+    # and the generated ones (streamed: this chunk's).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -355,6 +368,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the generated ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -365,6 +379,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobsList | None = None  # vLLM's, when the request asks
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -380,6 +395,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -389,6 +405,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk only
 
 
 class ModelCard(BaseModel):

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagellm.engine.async_llm import AsyncLLM, RequestStream
 from pagellm.entrypoints.openai.chat_output import ChatReading
+from pagellm.entrypoints.openai.chat_template_args import (
+    TemplateArgsError,
+    check_documents,
+    check_template_kwargs,
+)
 from pagellm.entrypoints.openai.chat_tools import (
     ChatToolOptions,
     plan_tools,
@@ -47,11 +53,16 @@ from pagellm.entrypoints.openai.serving_engine import (
 )
 from pagellm.entrypoints.openai.serving_errors import bad_request
 from pagellm.entrypoints.openai.structured_request import (
+    Constraint,
     constraint_errors,
     resolve_structured_outputs,
 )
 from pagellm.entrypoints.openai.templates import shipped_template, shipped_template_names
-from pagellm.outputs import SampleLogprobs
+from pagellm.outputs import RequestOutput, SampleLogprobs
+from pagellm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagellm.entrypoints.openai.tracing import RequestTrace
 
 _MIN_LOGPROB = -9999.0
 
@@ -94,7 +105,10 @@ class ChatRenderer:
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False,
                tools: list[dict[str, Any]] | None = None,
-               add_special_tokens: bool = False) -> list[int]:
+               add_special_tokens: bool = False,
+               template_kwargs: dict[str, Any] | None = None,
+               documents: list[dict[str, Any]] | None = None) -> list[int]:
+        """``template_kwargs`` and ``documents``: checked by chat_template_args.py first."""
         conversation = []
         for index, m in enumerate(messages):
             content = m.content
@@ -118,12 +132,25 @@ class ChatRenderer:
             text = self.tokenizer.apply_chat_template(
                 conversation, chat_template=self.chat_template, tokenize=False, tools=tools,
                 add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message)
+                continue_final_message=continue_final_message, documents=documents,
+                **(template_kwargs or {}))
         except Exception as e:  # Jinja errors (e.g. "roles must alternate") are the user's
             raise bad_request(f"Could not apply the chat template: {e}", "messages") from None
         # The template writes the special tokens (BOS...) itself, unless /tokenize asks for
         # the tokenizer's too (add_special_tokens, as vLLM).
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+@dataclass
+class RenderedChat:
+    """A checked chat request, before anything starts: what /v1/chat/completions starts and
+    /v1/chat/completions/render answers with."""
+
+    model: str  # the served name to answer with
+    params: SamplingParams
+    prompt: dict[str, Any]  # prompt_token_ids (the rendered template), cache_salt
+    constraint: Constraint | None  # the structured-output field, for its compile errors
+    reading: ChatReading | None  # how the answer is parsed (tools, reasoning)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -137,8 +164,9 @@ class OpenAIServingChat(OpenAIServing):
         self.renderer = renderer
         self.tool_options = tool_options or ChatToolOptions()
 
-    async def handle(self, req: ChatCompletionRequest, request_id: str
-                     ) -> JSONResponse | StreamingResponse:
+    async def render(self, req: ChatCompletionRequest) -> RenderedChat:
+        """Every check and the chat template of a request, starting nothing (one path for the
+        real endpoint and /v1/chat/completions/render)."""
         model = self.models.check(req.model)
         max_tokens = req.max_completion_tokens or req.max_tokens
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -150,48 +178,81 @@ class OpenAIServingChat(OpenAIServing):
                               "prompt_logprobs")
         params = self.sampling_params(req, max_tokens, num_logprobs, req.prompt_logprobs,
                                       structured_outputs=structured)
-        reading = ChatReading.for_request(plan, self.tool_options, structured is not None)
+        # A strict auto plan's constraint allows free text (a reasoning block) before a call.
+        free_text = plan.free_text and constraint is plan.constraint
+        reading = ChatReading.for_request(plan, self.tool_options,
+                                          structured is not None and not free_text)
         if plan.parser is not None and plan.parser.needs_special_tokens:
             params = params.clone(skip_special_tokens=False)  # the call marker is one
+        try:
+            template_kwargs = check_template_kwargs(req.chat_template_kwargs,
+                                                    self.limits.max_chat_template_kwargs_bytes)
+            documents = check_documents(req.documents, self.limits.max_documents)
+        except TemplateArgsError as e:
+            raise bad_request(str(e), e.param) from None
         # Rendering a long conversation is template work plus tokenization: off the loop.
         ids = await self.tokenizer_pool.run(self.renderer.render, req.messages,
                                             req.add_generation_prompt,
-                                            req.continue_final_message, plan.template_tools)
+                                            req.continue_final_message, plan.template_tools,
+                                            add_special_tokens=req.add_special_tokens,
+                                            template_kwargs=template_kwargs,
+                                            documents=documents)
+        ids = self.truncated(ids, req.truncate_prompt_tokens)
         self.check_prompt(ids, max_tokens, "max_completion_tokens"
                           if req.max_completion_tokens else "max_tokens")
         prompt: dict = {"prompt_token_ids": ids}
         if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt
         self.check_prompt_logprobs([prompt], params, "prompt_logprobs")
-        with constraint_errors(constraint):
-            streams = await self.start(request_id, [prompt], params, req.stream, req.priority,
-                                       req.cache_salt)
+        self.check_start(params, req.priority)
+        return RenderedChat(model, params, prompt, constraint, reading)
+
+    async def handle(self, req: ChatCompletionRequest, request_id: str,
+                     trace: RequestTrace | None = None) -> JSONResponse | StreamingResponse:
+        rendered = await self.render(req)
+        model, reading = rendered.model, rendered.reading
+        with constraint_errors(rendered.constraint):
+            streams = await self.start(request_id, [rendered.prompt], rendered.params,
+                                       req.stream, req.priority, req.cache_salt)
         if req.stream:
-            return StreamingResponse(self._stream(req, request_id, model, streams[0], reading),
+            return StreamingResponse(self._stream(req, request_id, model, streams[0], reading,
+                                                  rendered.params, trace),
                                      media_type="text/event-stream")
         (out,) = await final_outputs(streams)
         choices, num_completion = [], 0
+        echo = echoed_content(req)
         for c in out.outputs:
             num_completion += len(c.token_ids)
             logprobs = (self.chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0)
                         if req.logprobs else None)
             message, finish_reason = (reading.message(c.text, c.finish_reason) if reading
                                       else (ChatResponseMessage(content=c.text), c.finish_reason))
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
-                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
+                                      finish_reason=finish_reason, stop_reason=c.stop_reason,
+                                      token_ids=list(c.token_ids) if req.return_token_ids
+                                      else None))
+        self.finished(trace, out, rendered.params, model, num_completion)
+        # --enable-per-request-metrics: vLLM's "metrics" object (null for n > 1).
+        extra = ({"metrics": self.metrics_field([out], req.n, num_completion)}
+                 if self.enable_per_request_metrics else {})
         num_prompt = len(out.prompt_token_ids)
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                           total_tokens=num_prompt + num_completion,
                           prompt_tokens_details=self.prompt_details(out.num_cached_tokens))
 
-        body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        body = ChatCompletionResponse(
+            id=request_id, model=model, choices=choices, usage=usage,
+            prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
         if req.prompt_logprobs is None:
-            return JSONResponse(body.model_dump())
+            return JSONResponse({**body.model_dump(), **extra})
 
         def build() -> dict:
             dumped = body.model_dump()
             dumped["prompt_logprobs"] = plain_prompt_logprobs(
                 shaped_prompt_logprobs(out.prompt_logprobs, self.tokenizer))
+            dumped.update(extra)
             return dumped
 
         return await self.respond(build)  # decoding the scored prompt: off the loop
@@ -215,9 +276,14 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogprobs(content=content)
 
     def _chunk(self, request_id: str, created: int, model: str,
-               choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+               choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
+               prompt_token_ids: list[int] | None = None,
+               extra: dict[str, Any] | None = None) -> str:
+        """``extra``: top-level fields to add (the last chunk's ``metrics``)."""
         data = ChatCompletionChunk(id=request_id, created=created, model=model,
-                                   choices=choices, usage=usage).model_dump()
+                                   choices=choices, usage=usage,
+                                   prompt_token_ids=prompt_token_ids).model_dump()
+        data.update(extra or {})
         for choice in data["choices"]:  # OpenAI omits unset delta fields
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
             for call in choice["delta"].get("tool_calls", ()):
@@ -225,9 +291,12 @@ class OpenAIServingChat(OpenAIServing):
         return sse(data)
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str,
-                      stream: RequestStream, reading: ChatReading | None = None
+                      stream: RequestStream, reading: ChatReading | None = None,
+                      params: SamplingParams | None = None, trace: RequestTrace | None = None
                       ) -> AsyncIterator[str]:
+        """``params``: the request's (for its span, with ``trace``)."""
         created = int(time.time())
+        final_outs: list[RequestOutput] = []  # the last output, once it came
         # One parser state per choice (a reasoning block, a half-written call).
         choice_deltas = [reading.choice_deltas() for _ in range(req.n)] if reading else None
         num_completion = num_cached = 0
@@ -241,9 +310,16 @@ class OpenAIServingChat(OpenAIServing):
         try:
             # The first delta of every choice carries the role.
             for i in range(req.n):
+                # return_token_ids: the prompt's ids come once, in the very first chunk.
+                prompt_ids = (list(stream.prompt_token_ids)
+                              if req.return_token_ids and i == 0 else None)
                 yield self._chunk(request_id, created, model, [ChatStreamChoice(
                     index=i, delta=DeltaMessage(role="assistant", content=""))],
-                    running_usage())
+                    running_usage(), prompt_ids)
+            echo = echoed_content(req)
+            for i in range(req.n if echo else 0):  # as vLLM: one chunk per choice, up front
+                yield self._chunk(request_id, created, model, [ChatStreamChoice(
+                    index=i, delta=DeltaMessage(content=echo))], running_usage())
             async for _, out in merge_streams([stream]):
                 num_cached = out.num_cached_tokens
                 for c in out.outputs:
@@ -254,21 +330,47 @@ class OpenAIServingChat(OpenAIServing):
                         delta, finish_reason = choice_deltas[c.index].feed(c.text,
                                                                            c.finish_reason)
                     has_delta = delta is not None if choice_deltas is not None else c.text
-                    if not (has_delta or finish_reason or (req.logprobs and c.token_ids)):
+                    # Tokens the parsers hold back still carry their ids (and logprobs).
+                    if not (has_delta or finish_reason
+                            or ((req.logprobs or req.return_token_ids) and c.token_ids)):
                         continue
                     logprobs = (self.chat_logprobs(c.token_ids, c.logprobs or [],
                                                    req.top_logprobs or 0)
                                 if req.logprobs else None)
                     yield self._chunk(request_id, created, model, [ChatStreamChoice(
                         index=c.index, delta=delta or DeltaMessage(), logprobs=logprobs,
-                        finish_reason=finish_reason, stop_reason=c.stop_reason)],
+                        finish_reason=finish_reason, stop_reason=c.stop_reason,
+                        token_ids=list(c.token_ids) if req.return_token_ids else None)],
                         running_usage())
+                if out.finished:
+                    final_outs.append(out)
+                    if params is not None:
+                        self.finished(trace, out, params, model, num_completion)
             if usage_at_end:
+                # --enable-per-request-metrics: in the usage chunk, as vLLM.
+                extra = ({"metrics": self.metrics_field(final_outs, req.n, num_completion)}
+                         if self.enable_per_request_metrics else None)
                 yield self._chunk(request_id, created, model, [],
-                                  self.usage(num_prompt, num_completion, num_cached))
+                                  self.usage(num_prompt, num_completion, num_cached),
+                                  extra=extra)
         except Exception as e:
             yield sse_error(e, request_id)
         yield SSE_DONE
+
+
+def echoed_content(req: ChatCompletionRequest) -> str:
+    """echo (vLLM's): the last message's text when it has the answer's role (the assistant's
+    with add_generation_prompt, else the last message's own), which starts every choice's
+    content; "" otherwise."""
+    if not req.echo:
+        return ""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    if last.role != role or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(p.text for p in last.content if p.text is not None)
 
 
 def _drop_nones(value: dict[str, Any]) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -34,10 +36,33 @@ from pagellm.entrypoints.openai.serving_engine import (
 )
 from pagellm.entrypoints.openai.serving_errors import bad_request
 from pagellm.entrypoints.openai.structured_request import (
+    Constraint,
     constraint_errors,
     resolve_structured_outputs,
 )
-from pagellm.outputs import CompletionOutput, Logprob, PromptLogprobs, SampleLogprobs
+from pagellm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
+from pagellm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagellm.entrypoints.openai.tracing import RequestTrace
+
+
+@dataclass
+class RenderedCompletion:
+    """A checked request, before anything starts: what /v1/completions starts and
+    /v1/completions/render answers with."""
+
+    model: str  # the served name to answer with
+    params: SamplingParams
+    prompts: list[PromptType]  # each with its prompt_token_ids
+    constraint: Constraint | None  # the structured-output field, for its compile errors
+    echo_only: bool  # echo with max_tokens 0: score the prompt, generate nothing
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -62,12 +87,17 @@ class OpenAIServingCompletion(OpenAIServing):
         if any(item == "" for item in items):
             raise bad_request("The prompt is empty: it must have at least one token.", "prompt")
         texts = [item for item in items if isinstance(item, str)]
-        encoded = iter(await self.tokenizer_pool.encode(texts) if texts else [])
+        encoded = iter(await self.tokenizer_pool.encode(texts, req.add_special_tokens)
+                       if texts else [])
         prompts: list[PromptType] = []
         for item in items:
             # The text stays with its ids: echo and --enable-log-requests show it.
             prompt: dict = ({"prompt": item, "prompt_token_ids": next(encoded)}
                             if isinstance(item, str) else {"prompt_token_ids": list(item)})
+            if req.truncate_prompt_tokens is not None:
+                ids = self.truncated(prompt["prompt_token_ids"], req.truncate_prompt_tokens)
+                # The ids it runs on, not the text any more (echo shows those).
+                prompt = {"prompt_token_ids": ids}
             # An omitted max_tokens (OpenAI's default 16) is cut to the room left, as it
             # always was; only a number the client sent is refused when it does not fit.
             asked = req.max_tokens if "max_tokens" in req.model_fields_set else None
@@ -77,8 +107,9 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts.append(prompt)
         return prompts
 
-    async def handle(self, req: CompletionRequest, request_id: str
-                     ) -> JSONResponse | StreamingResponse:
+    async def render(self, req: CompletionRequest) -> RenderedCompletion:
+        """Every check and the tokenization of a request, starting nothing (one path for the
+        real endpoint and /v1/completions/render)."""
         model = self.models.check(req.model)
         if req.prompt_logprobs is not None and req.stream:  # as vLLM
             raise bad_request("prompt_logprobs is not available when stream is true.",
@@ -93,13 +124,29 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self.prompts(req)
         self.check_prompt_logprobs(prompts, params, "prompt_logprobs"
                                    if req.prompt_logprobs is not None else "logprobs")
-        with constraint_errors(constraint):
-            streams = await self.start(request_id, prompts, params, req.stream, req.priority,
-                                       req.cache_salt)
+        self.check_start(params, req.priority)
+        return RenderedCompletion(model, params, prompts, constraint, echo_only)
+
+    async def handle(self, req: CompletionRequest, request_id: str,
+                     trace: RequestTrace | None = None) -> JSONResponse | StreamingResponse:
+        rendered = await self.render(req)
+        model, params, echo_only = rendered.model, rendered.params, rendered.echo_only
+        with constraint_errors(rendered.constraint):
+            streams = await self.start(request_id, rendered.prompts, params, req.stream,
+                                       req.priority, req.cache_salt)
         if req.stream:
-            return StreamingResponse(self._stream(req, request_id, model, streams),
+            return StreamingResponse(self._stream(req, request_id, model, streams, params,
+                                                  trace),
                                      media_type="text/event-stream")
         outs = await final_outputs(streams)
+        # Each prompt's completion tokens, as usage counts them.
+        generated = [sum(len((without_generation(c) if echo_only else c).token_ids)
+                         for c in out.outputs) for out in outs]
+        for out, num in zip(outs, generated, strict=True):
+            self.finished(trace, out, params, model, num)
+        # --enable-per-request-metrics: vLLM's "metrics" object (null for n > 1, or prompts).
+        extra = ({"metrics": self.metrics_field(outs, req.n, sum(generated))}
+                 if self.enable_per_request_metrics else {})
 
         def build() -> dict:
             choices, fields, num_prompt, num_completion, num_cached = [], [], 0, 0, 0
@@ -114,8 +161,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     if echo_only:
                         c = without_generation(c)
                     num_completion += len(c.token_ids)
-                    choices.append(self._choice(req, pi * req.n + c.index, c, streams[pi],
-                                                prompt_text, 0, scores))
+                    choice = self._choice(req, pi * req.n + c.index, c, streams[pi],
+                                          prompt_text, 0, scores)
+                    if req.return_token_ids:
+                        choice.prompt_token_ids = list(out.prompt_token_ids)
+                    choices.append(choice)
                     fields.append(field)
             usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                               total_tokens=num_prompt + num_completion,
@@ -124,6 +174,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                       usage=usage).model_dump()
             for choice, field in zip(body["choices"], fields, strict=True):
                 choice["prompt_logprobs"] = field
+            body.update(extra)
             return body
 
         if req.echo or params.prompt_logprobs is not None:  # decoding the prompt: off the loop
@@ -148,7 +199,8 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs = self.completion_logprobs(c.token_ids, c.logprobs or [], echo_ids, offset,
                                                 prompt_logprobs, req.logprobs)
         return CompletionChoice(index=index, text=echo_text + c.text, logprobs=logprobs,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                token_ids=list(c.token_ids) if req.return_token_ids else None)
 
     def completion_logprobs(self, token_ids: list[int], logprobs: SampleLogprobs,
                             echo_ids: list[int], offset: int,
@@ -192,10 +244,14 @@ class OpenAIServingCompletion(OpenAIServing):
         return top
 
     async def _stream(self, req: CompletionRequest, request_id: str, model: str,
-                      streams: list[RequestStream]) -> AsyncIterator[str]:
+                      streams: list[RequestStream], params: SamplingParams | None = None,
+                      trace: RequestTrace | None = None) -> AsyncIterator[str]:
+        """``params``: the request's (for the spans, with ``trace``)."""
         created = int(time.time())
         num_prompt = sum(len(s.prompt_token_ids) for s in streams)
         num_completion = 0
+        generated: dict[int, int] = {}  # prompt index -> its completion tokens so far
+        final_outs: list[RequestOutput] = []  # the prompts' last outputs, as they come
         offsets: dict[int, int] = {}  # choice index -> text offset so far
         cached: dict[int, int] = {}  # prompt index -> its prefix-cache hit
         prompt_scores: dict[int, PromptLogprobs] = {}  # prompt index -> its prompt logprobs
@@ -214,20 +270,31 @@ class OpenAIServingCompletion(OpenAIServing):
                     first = index not in offsets
                     echo_text = self._prompt_text(streams[pi]) if req.echo and first else ""
                     num_completion += len(c.token_ids)
+                    generated[pi] = generated.get(pi, 0) + len(c.token_ids)
                     if not (c.text or echo_text or c.token_ids or c.finish_reason):
                         continue
                     choice = self._choice(req, index, c, streams[pi], echo_text,
                                           offsets.get(index, 0), prompt_scores.get(pi))
+                    if req.return_token_ids and first:
+                        choice.prompt_token_ids = list(streams[pi].prompt_token_ids)
                     offsets[index] = offsets.get(index, 0) + len(choice.text)
                     usage = (self.usage(num_prompt, num_completion, sum(cached.values()))
                              if usage_each_chunk else None)
                     chunk = CompletionResponse(id=request_id, created=created, model=model,
                                                choices=[choice], usage=usage)
                     yield sse(chunk)
+                if out.finished:
+                    final_outs.append(out)
+                    if params is not None:
+                        self.finished(trace, out, params, model, generated.get(pi, 0))
             if usage_at_end:
                 usage = self.usage(num_prompt, num_completion, sum(cached.values()))
-                yield sse(CompletionResponse(id=request_id, created=created, model=model,
-                                             choices=[], usage=usage))
+                last = CompletionResponse(id=request_id, created=created, model=model,
+                                          choices=[], usage=usage)
+                # --enable-per-request-metrics: in the usage chunk, as vLLM.
+                yield sse({**last.model_dump(), "metrics": self.metrics_field(
+                    final_outs, req.n, num_completion)} if self.enable_per_request_metrics
+                    else last)
         except Exception as e:  # headers are sent: report in the stream, as OpenAI does
             yield sse_error(e, request_id)
         yield SSE_DONE

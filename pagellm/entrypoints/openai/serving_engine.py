@@ -8,11 +8,12 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
@@ -23,7 +24,7 @@ from pagellm.engine.async_llm import (
     RequestFailedError,
     RequestStream,
 )
-from pagellm.engine.input_processor import PromptType
+from pagellm.engine.input_processor import PromptType, truncate_prompt
 from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.prompt_logprobs import prompt_logprob_entries
 from pagellm.entrypoints.openai.protocol import (
@@ -33,6 +34,9 @@ from pagellm.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from pagellm.entrypoints.openai.request_ids import REQUEST_ID_SCOPE_KEY, client_request_id
+from pagellm.entrypoints.openai.request_metrics import metrics_field
+from pagellm.entrypoints.openai.sampling_lists import check_sampling_lists
 from pagellm.entrypoints.openai.serving_errors import (
     OpenAIError,
     bad_request,
@@ -41,10 +45,14 @@ from pagellm.entrypoints.openai.serving_errors import (
     internal_error,
     model_not_found,
 )
-from pagellm.errors import EngineSleepingError
+from pagellm.errors import EngineSleepingError, RequestIdInUseError
 from pagellm.outputs import RequestOutput
+from pagellm.sample.bad_words import bad_words_token_ids
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.compile_pool import CompilePoolFullError
+
+if TYPE_CHECKING:
+    from pagellm.entrypoints.openai.tracing import RequestTrace, RequestTracer
 
 logger = logging.getLogger("pagellm")
 
@@ -120,6 +128,10 @@ class TokenizerPool:
 
 class OpenAIServing:
     request_id_prefix = "req"
+    # --otlp-traces-endpoint: a span per finished engine request (None: no tracing code runs).
+    tracer: RequestTracer | None = None
+    # --enable-per-request-metrics: the response's ``metrics`` object (vLLM's).
+    enable_per_request_metrics = False
     # --enable-prompt-tokens-details: cached-token counts tell a client whether anyone in its
     # cache namespace sent the same prefix, so they are reported only when asked for.
     enable_prompt_tokens_details = False
@@ -133,18 +145,48 @@ class OpenAIServing:
         self.limits = limits or ServerLimits()
         self.tokenizer_pool = tokenizer_pool or TokenizerPool(engine.tokenizer)
 
-    async def create(self, req: Any) -> Any:
+    async def create(self, req: Any, raw_request: Request | None = None) -> Any:
         """Serve one request (``handle`` does the work). An unexpected exception is a 500 with
         a fixed message and this request's id; the traceback goes to the log."""
-        request_id = random_id(self.request_id_prefix)
+        request_id, trace = self.begin(raw_request)
+        return await self.guarded(self.handle(req, request_id, trace), request_id)
+
+    def begin(self, raw_request: Request | None) -> tuple[str, RequestTrace | None]:
+        """The request's id (``<prefix>-<X-Request-Id>`` when the client sent one, as vLLM;
+        left in the scope for --enable-request-id-headers) and, with --otlp-traces-endpoint,
+        its trace (the caller's traceparent/tracestate)."""
+        headers: Mapping[str, str] = raw_request.headers if raw_request is not None else {}
+        client_id = client_request_id(headers)
+        request_id = (f"{self.request_id_prefix}-{client_id}" if client_id is not None
+                      else random_id(self.request_id_prefix))
+        if raw_request is not None:
+            raw_request.scope[REQUEST_ID_SCOPE_KEY] = request_id
+        trace = self.tracer.begin(headers) if self.tracer is not None else None
+        return request_id, trace
+
+    def finished(self, trace: RequestTrace | None, out: RequestOutput, params: SamplingParams,
+                 model: str, num_completion: int) -> None:
+        """One engine request (``out``: its last output) has finished: its span, when traced.
+        ``num_completion``: the completion tokens the response reports for it."""
+        if trace is not None:
+            trace.finished(out, params, model, len(out.prompt_token_ids), num_completion)
+
+    def metrics_field(self, finished: list[RequestOutput], n: int, num_completion: int
+                      ) -> dict[str, Any] | None:
+        """--enable-per-request-metrics: the response's ``metrics`` (see request_metrics)."""
+        return metrics_field([out.metrics for out in finished], n, num_completion)
+
+    async def guarded(self, work: Awaitable[_T], request_id: str) -> _T:
+        """``work``'s result; an unexpected exception becomes the 500 of ``create``."""
         try:
-            return await self.handle(req, request_id)
+            return await work
         except (OpenAIError, EngineDeadError, EngineSleepingError, RequestFailedError):
             raise
         except Exception as e:
             raise internal_error(e, request_id, type(self).__name__) from None
 
-    async def handle(self, req: Any, request_id: str) -> Any:
+    async def handle(self, req: Any, request_id: str, trace: RequestTrace | None = None
+                     ) -> Any:
         raise NotImplementedError
 
     def check_limits(self, req: SamplingFields) -> None:
@@ -165,6 +207,7 @@ class OpenAIServing:
         if req.logit_bias and len(req.logit_bias) > lim.max_logit_bias:
             raise bad_request(f"logit_bias has {len(req.logit_bias)} entries, more than "
                               f"{lim.max_logit_bias} (--max-logit-bias).", "logit_bias")
+        check_sampling_lists(req, lim, self.engine.config)
 
     def check_capacity(self, num_seqs: int) -> None:
         """503 + Retry-After when admitting ``num_seqs`` more sequences would let more than
@@ -175,7 +218,8 @@ class OpenAIServing:
         if num_seqs > per_request:
             raise bad_request(f"The request asks for {num_seqs} sequences (prompts x n), more "
                               f"than {per_request} (--max-seqs-per-request).", "n")
-        running_cap = self.engine.config.scheduler.max_num_seqs
+        # --max-num-seqs is per engine (as vLLM's, per data-parallel rank).
+        running_cap = self.engine.config.scheduler.max_num_seqs * len(self.engine.engine_indexes)
         cap = self.limits.waiting_cap(running_cap)
         if num_seqs > running_cap + cap:  # retrying would never help
             raise bad_request(f"The request asks for {num_seqs} sequences (prompts x n), more "
@@ -213,7 +257,7 @@ class OpenAIServing:
                 raise bad_request("logit_bias values must be in [-100, 100].", "logit_bias")
         defaults = self.sampling_defaults(req)
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=req.n, seed=req.seed, **defaults,
                 max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
@@ -222,7 +266,13 @@ class OpenAIServing:
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                logit_bias=logit_bias, structured_outputs=structured_outputs)
+                logit_bias=logit_bias, structured_outputs=structured_outputs,
+                bad_words=req.bad_words, allowed_token_ids=req.allowed_token_ids,
+                truncate_prompt_tokens=req.truncate_prompt_tokens, extra_args=req.vllm_xargs)
+            if params.bad_words:
+                params._bad_words_token_ids = bad_words_token_ids(
+                    params.bad_words, self.tokenizer, self.engine.config.model.vocab_size)
+            return params
         except ValueError as e:
             # "SamplingParams.top_p must be ..." -> name the request field, in the message and
             # in param (null when the name is not one of the request's fields).
@@ -242,6 +292,13 @@ class OpenAIServing:
             value = getattr(req, name) if name in req.model_fields_set else None
             values[name] = value if value is not None else model.get(name, openai_default)
         return values
+
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens applied (before check_prompt), as the engine would."""
+        try:
+            return truncate_prompt(ids, keep, self.models.max_model_len)
+        except ValueError as e:
+            raise bad_request(str(e), "truncate_prompt_tokens") from None
 
     def check_prompt(self, ids: list[int], max_tokens: int | None,
                      max_tokens_param: str = "max_tokens") -> None:
@@ -329,6 +386,38 @@ class OpenAIServing:
         ``cache_salt``'s namespace (compile_structured: a spec that does not compile raises
         ValueError). The prompts are token ids checked by check_prompt, so any other
         ValueError from the engine here is a bug (a 500), not the client's fault."""
+        self.check_start(params, priority)
+        kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+        num_seqs = len(prompts) * params.n
+        self.check_capacity(num_seqs)
+        if params.structured_outputs is not None:
+            await self.compile_structured(params, cache_salt)
+            self.check_capacity(num_seqs)  # the queue may have filled meanwhile
+        streams: list[RequestStream] = []
+
+        def add(rid: str, prompt: PromptType) -> RequestStream:
+            return self.engine.add_request(
+                rid, prompt, params, kind, priority=priority,
+                grammar_compiled=params.structured_outputs is not None)
+
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                try:
+                    streams.append(add(rid, prompt))
+                except RequestIdInUseError:
+                    # Generated ids are unique, a client's X-Request-Id may not be (two
+                    # tenants may pick the same one): the engine's id gets a suffix, the
+                    # response keeps the client's id, and nobody learns what is in flight.
+                    streams.append(add(random_id(rid), prompt))
+        except BaseException:
+            close_all(streams)
+            raise
+        return streams
+
+    def check_start(self, params: SamplingParams, priority: int) -> None:
+        """The checks ``start`` makes of a request before admitting it (render makes them too:
+        the same 400s, without starting anything)."""
         if priority != 0 and self.engine.config.scheduler.policy != "priority":
             raise bad_request("priority needs a server started with --scheduling-policy "
                               "priority.", "priority")
@@ -337,23 +426,6 @@ class OpenAIServing:
         if bad_stop:
             raise bad_request(f"stop_token_ids has token id {bad_stop[0]}, outside the "
                               f"vocabulary (size {vocab}).", "stop_token_ids")
-        kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        num_seqs = len(prompts) * params.n
-        self.check_capacity(num_seqs)
-        if params.structured_outputs is not None:
-            await self.compile_structured(params, cache_salt)
-            self.check_capacity(num_seqs)  # the queue may have filled meanwhile
-        streams: list[RequestStream] = []
-        try:
-            for i, prompt in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(self.engine.add_request(
-                    rid, prompt, params, kind, priority=priority,
-                    grammar_compiled=params.structured_outputs is not None))
-        except BaseException:
-            close_all(streams)
-            raise
-        return streams
 
     def usage(self, num_prompt: int, num_completion: int, num_cached: int) -> UsageInfo:
         return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,

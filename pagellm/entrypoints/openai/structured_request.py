@@ -21,6 +21,7 @@ from pagellm.entrypoints.openai.limits import ServerLimits, json_depth_exceeds
 from pagellm.entrypoints.openai.protocol_tools import ResponseFormat, StructuredOutputsRequest
 from pagellm.entrypoints.openai.serving_errors import OpenAIError, bad_request
 from pagellm.sampling_params import StructuredOutputsParams
+from pagellm.structured_output.params import DEFAULT_MAX_WHITESPACE_CNT, WHITESPACE_KINDS
 
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
@@ -29,8 +30,11 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 @dataclass(frozen=True)
 class Constraint:
     param: str  # the request field that asked for it, for error messages
-    kind: str  # a StructuredOutputsParams field: json, regex, choice, grammar, json_object
+    kind: str  # a StructuredOutputsParams field: json, regex, choice, grammar, json_object,
+    # structural_tag
     value: Any
+    # Yields to a constraint the request asks for itself (strict auto tool calls' tags).
+    optional: bool = False
 
 
 def request_constraints(req: Any) -> list[Constraint]:
@@ -43,6 +47,8 @@ def request_constraints(req: Any) -> list[Constraint]:
     elif fmt is not None and fmt.type == "json_schema":
         assert fmt.json_schema is not None  # the model's validator checks it
         found.append(Constraint("response_format", "json", fmt.json_schema.json_schema))
+    elif fmt is not None and fmt.type == "structural_tag":
+        found.append(Constraint("response_format", "structural_tag", fmt.structural_tag()))
     so: StructuredOutputsRequest | None = getattr(req, "structured_outputs", None)
     if so is not None:
         found.extend(Constraint(f"structured_outputs.{kind}", kind, value)
@@ -64,11 +70,14 @@ def resolve_structured_outputs(req: Any, forced: Constraint | None = None,
     limits = limits or ServerLimits()
     for c in constraints:
         check_spec_caps(c.kind, [c.value], c.param, limits)
-    if forced is not None:
+    if forced is not None and not (forced.optional and constraints):
         constraints.append(forced)
     so: StructuredOutputsRequest | None = getattr(req, "structured_outputs", None)
     compact = so.disable_any_whitespace if so is not None else False
-    params = structured_outputs_params(constraints, compact)
+    # The request's own whitespace cap (null: unbounded) when it gives one, else the server's.
+    explicit_cap = so is not None and "max_whitespace_cnt" in so.model_fields_set
+    cap = so.max_whitespace_cnt if explicit_cap else limits.structured_outputs_max_whitespace_cnt
+    params = structured_outputs_params(constraints, compact, cap, explicit_cap)
     return params, (constraints[0] if constraints else None)
 
 
@@ -84,24 +93,41 @@ def constraint_errors(constraint: Constraint | None) -> Iterator[None]:
         raise constraint_error(e, constraint) from None
 
 
-def structured_outputs_params(constraints: list[Constraint], disable_any_whitespace: bool = False
-                              ) -> StructuredOutputsParams | None:
+def structured_outputs_params(constraints: list[Constraint], disable_any_whitespace: bool = False,
+                              max_whitespace_cnt: int | None = DEFAULT_MAX_WHITESPACE_CNT,
+                              explicit_cap: bool = False) -> StructuredOutputsParams | None:
     """The engine's params for at most one constraint; a 400 naming the fields otherwise, or
-    naming the field whose value is invalid."""
+    naming the field whose value is invalid. ``max_whitespace_cnt`` caps a JSON constraint's
+    free whitespace unless it is compact; ``explicit_cap``: the request gave it (so it must
+    apply)."""
     if not constraints:
-        if disable_any_whitespace:
-            raise bad_request("structured_outputs.disable_any_whitespace needs a JSON "
-                              "constraint.", "structured_outputs")
+        for name, given in (("disable_any_whitespace", disable_any_whitespace),
+                            ("max_whitespace_cnt", explicit_cap)):
+            if given:
+                raise bad_request(f"structured_outputs.{name} needs a JSON constraint.",
+                                  "structured_outputs")
         return None
     if len(constraints) > 1:
         names = ", ".join(c.param for c in constraints)
         raise bad_request(f"Only one structured-output constraint per request; this one asks "
                           f"for {len(constraints)}: {names}.", constraints[1].param)
     (c,) = constraints
+    fields: dict[str, Any] = {c.kind: c.value, "disable_any_whitespace": disable_any_whitespace}
+    if explicit_cap:
+        if c.kind not in WHITESPACE_KINDS:
+            raise bad_request(f"structured_outputs.max_whitespace_cnt applies to JSON "
+                              f"constraints, not to {c.param}.", "structured_outputs")
+        if disable_any_whitespace:
+            raise bad_request("structured_outputs.max_whitespace_cnt and "
+                              "structured_outputs.disable_any_whitespace exclude each other: "
+                              "the compact form has no free whitespace.", "structured_outputs")
+    if c.kind in WHITESPACE_KINDS and not disable_any_whitespace:
+        fields["max_whitespace_cnt"] = max_whitespace_cnt
     try:
-        return StructuredOutputsParams(**{c.kind: c.value},
-                                       disable_any_whitespace=disable_any_whitespace)
+        return StructuredOutputsParams(**fields)
     except ValueError as e:
+        if "max_whitespace_cnt" in str(e):  # the request's own field, whatever the constraint
+            raise bad_request(str(e), "structured_outputs") from None
         raise constraint_error(e, c) from None
 
 
@@ -119,7 +145,7 @@ def check_spec_caps(kind: str, values: Sequence[Any], field: str, limits: Server
                               "(--max-structured-outputs-spec-bytes).", param)
         if kind == "choice" and isinstance(value, list):
             num_choices += len(value)
-        elif kind == "json":
+        elif kind in ("json", "structural_tag"):  # a tag holds schemas: counted alike
             depth, num_enum_values = _schema_shape(_parsed_schema(value, field, limits))
             if depth > limits.max_structured_outputs_depth:
                 raise _too_deep(field, limits)

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from pagellm.entrypoints.openai.protocol_tools import ChatTool
 from pagellm.entrypoints.openai.tool_parsers.partial_json import (
     GrowingText,
     ObjectScanner,
@@ -34,6 +35,7 @@ class ParsedCall:
     # True when the arguments are already a prefix of the final text (an object being written);
     # a string or other value is sent only once complete.
     streamable: bool = True
+    id: str | None = None  # the call's id as the model wrote it (Kimi's); else one is made
 
     @classmethod
     def of(cls, name: str | None, arguments: str, complete: bool,
@@ -104,6 +106,9 @@ class ToolParseState(ABC):
         self.content_end = 0
         self.calls: list[ParsedCall] = []
         self.num_settled = 0  # calls[:num_settled] stay as they are (barring reset_calls)
+        # Content after the first call (formats that keep text between and after their calls):
+        # the content is ``text[:content_end] + later_content``; it only grows.
+        self.later_content = GrowingText()
         self.unchanged = 0
         # False: the text has a call marker but no well-formed call (only judged when final).
         self.valid = True
@@ -136,8 +141,14 @@ class ToolParseState(ABC):
         """The complete text's calls are well formed (else the text is content)."""
         return self.valid and all(c.valid() for c in self.calls)
 
+    def content_after(self, n: int) -> str:
+        """The content from its ``n``-th character on, reading only those characters."""
+        head = self.text[n:self.content_end] if n < self.content_end else ""
+        m = max(0, n - self.content_end)
+        return head + (self.later_content[m:] if m < len(self.later_content) else "")
+
     def output(self) -> ParsedToolOutput:
-        return ParsedToolOutput(self.text[:self.content_end], list(self.calls), self.valid)
+        return ParsedToolOutput(self.content_after(0), list(self.calls), self.valid)
 
 
 class ToolParser(ABC):
@@ -152,6 +163,11 @@ class ToolParser(ABC):
     @abstractmethod
     def new_state(self) -> ToolParseState:
         ...
+
+    def for_tools(self, tools: list[ChatTool]) -> ToolParser:
+        """The parser for one request's tools: a format whose values are typed by the tools'
+        schemas (qwen3_coder) reads them; the others need none."""
+        return self
 
     def parse_final(self, text: str) -> ParsedToolOutput:
         """The complete text's calls; a text whose calls are not well formed is content."""

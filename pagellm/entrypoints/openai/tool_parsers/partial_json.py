@@ -66,13 +66,23 @@ class GrowingText:
         return "".join(self._pieces[first:last + 1]), offset
 
 
+# Look-ahead reads go in chunks that double from this size: what they read is about the
+# distance to what they look for, not the rest of the text (a whole answer is read at once).
+FIRST_CHUNK = 16
+
+
 def next_char(text: GrowingText, pos: int) -> tuple[int, str]:
     """The first character from ``pos`` on that is not whitespace: ``(index, character)``, or
     ``(len(text), "")`` while there is none."""
-    chunk, base = text.window(pos)
-    n = len(text) - base
-    i = WHITESPACE.match(chunk, pos - base, n).end()
-    return base + i, chunk[i] if i < n else ""
+    step = FIRST_CHUNK
+    while pos < len(text):
+        stop = min(len(text), pos + step)
+        chunk, base = text.window(pos, stop)
+        i = WHITESPACE.match(chunk, pos - base, stop - base).end()
+        if base + i < stop:
+            return base + i, chunk[i]
+        pos, step = stop, step * 2
+    return len(text), ""
 
 
 def partial_marker_length(text: str, marker: str, start: int = 0, end: int | None = None
@@ -100,16 +110,23 @@ class MarkerSearch:
         self.held = 0  # trailing characters that may begin the marker
 
     def find(self) -> int | None:
-        if self.found is None:
-            s, base = self.text.window(self.pos)
-            i, n = self.pos - base, len(self.text) - base
-            k = s.find(self.marker, i, n)
+        text, marker = self.text, self.marker
+        step = FIRST_CHUNK + len(marker)
+        while self.found is None:
+            stop = min(len(text), self.pos + step)
+            s, base = text.window(self.pos, stop)
+            i, n = self.pos - base, stop - base
+            k = s.find(marker, i, n)
             if k >= 0:
                 self.found, self.held = base + k, 0
-            else:
+            elif stop == len(text):
                 # A marker that is still to come starts within the longest tail that begins it.
-                self.held = partial_marker_length(s, self.marker, i, n)
-                self.pos = base + n - self.held
+                self.held = partial_marker_length(s, marker, i, n)
+                self.pos = stop - self.held
+                return None
+            else:  # a marker may straddle the chunk's end
+                self.pos = max(self.pos, stop - len(marker) + 1)
+                step *= 2
         return self.found
 
 

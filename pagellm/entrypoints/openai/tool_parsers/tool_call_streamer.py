@@ -47,11 +47,13 @@ class ToolCallStreamer:
         of the text) adds."""
         state = self.state
         state.feed(delta, final)
-        content_end, calls = state.content_end, state.calls
+        calls = state.calls
         if final and not self.sent and not state.acceptable():
-            content_end, calls = len(state.text), []  # as parse_final: the text is content
-        content = state.text[self.num_content_chars:content_end]
-        self.num_content_chars = max(self.num_content_chars, content_end)
+            # As parse_final: the text is content (what was sent of it is a prefix).
+            content, calls = state.text[self.num_content_chars:], []
+        else:
+            content = state.content_after(self.num_content_chars)
+        self.num_content_chars += len(content)
         deltas: list[DeltaToolCall] = []
         count = len(calls) if self.max_calls is None else min(len(calls), self.max_calls)
         # A call that was sent and has not changed has nothing new to send.
@@ -63,7 +65,7 @@ class ToolCallStreamer:
             elif call.name is None:
                 break  # a later call is never sent before this one's name
             else:
-                sent = _SentCall(tool_call_id())
+                sent = _SentCall(call.id or tool_call_id())
                 self.sent.append(sent)
                 header = call.name
             fragment = ""
@@ -85,7 +87,8 @@ def extract_tool_calls(parser: ToolParser, text: str, max_calls: int | None = No
     """The non-streaming answer: (content, or None when empty; the calls)."""
     parsed = parser.parse_final(text)
     calls = parsed.calls if max_calls is None else parsed.calls[:max_calls]
-    tool_calls = [ToolCall(function=FunctionCall(name=c.name or "", arguments=c.arguments))
+    tool_calls = [ToolCall(id=c.id or tool_call_id(),
+                           function=FunctionCall(name=c.name or "", arguments=c.arguments))
                   for c in calls]
     content = parsed.content
     if tool_calls and not content:
