@@ -93,7 +93,7 @@ class DPEngineCoreClient:
         cpu_sets: list[tuple[int, ...] | None] = [None] * n
         if config.device.device.type == "cpu":
             if config.cache.kv_cache_memory is None:
-                from pagellm.worker.memory_plan import default_cpu_kv_budget
+                from pagellm.memory_plan import default_cpu_kv_budget
 
                 share = default_cpu_kv_budget() // (n * parallel.tensor_parallel_size)
             if hasattr(os, "sched_setaffinity"):

@@ -57,7 +57,7 @@ class DeviceTarget:
 def parse_device(spec: str) -> DeviceTarget:
     """``--device`` of ``pagellm plan`` -> the memory to plan for."""
     from pagellm.config import parse_size
-    from pagellm.worker.memory_plan import available_host_memory
+    from pagellm.memory_plan import available_host_memory
 
     text = spec.strip().lower()
     if text == "auto":

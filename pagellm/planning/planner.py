@@ -1,6 +1,6 @@
 """The plan itself: model spec + target device + engine flags -> one RankPlan per rank.
 
-The KV arithmetic is the engine's own (pagellm.worker.memory_plan): the same MemoryBudget and
+The KV arithmetic is the engine's own (pagellm.memory_plan): the same MemoryBudget and
 plan_kv_cache, fed with estimates here and with measured numbers at engine start-up.
 """
 
@@ -10,6 +10,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pagellm.core.kv_cache_groups import KVCacheLayout, kv_cache_layout
+from pagellm.memory_plan import (
+    KVCachePlan,
+    MemoryBudget,
+    cpu_memory_budget,
+    cuda_memory_budget,
+    kv_bytes_per_token,
+    plan_kv_cache,
+)
 from pagellm.planning.devices import (
     DeviceTarget,
     estimate_activation_bytes,
@@ -19,14 +27,6 @@ from pagellm.planning.devices import (
 from pagellm.planning.model_spec import ModelSpec, load_model_spec
 from pagellm.planning.weights import WeightBreakdown, num_parameters, weight_bytes_per_rank
 from pagellm.spec_decode.config import SpeculativeConfig, parse_speculative_config
-from pagellm.worker.memory_plan import (
-    KVCachePlan,
-    MemoryBudget,
-    cpu_memory_budget,
-    cuda_memory_budget,
-    kv_bytes_per_token,
-    plan_kv_cache,
-)
 
 if TYPE_CHECKING:
     from pagellm.config import EngineConfig

@@ -10,9 +10,9 @@ from pagellm.planning.weights import num_parameters
 
 if TYPE_CHECKING:
     from pagellm.config import EngineConfig
+    from pagellm.memory_plan import KVCachePlan, MemoryBudget
     from pagellm.planning.planner import PlanReport, RankPlan
     from pagellm.planning.recommend import TrafficAdvice
-    from pagellm.worker.memory_plan import KVCachePlan, MemoryBudget
 
 logger = logging.getLogger("pagellm")
 

@@ -25,8 +25,8 @@ import math
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
+from pagellm.memory_plan import kv_heads_per_rank
 from pagellm.planning.model_spec import ModelSpec
-from pagellm.worker.memory_plan import kv_heads_per_rank
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32  # = pagellm.layers.quantization.DEFAULT_INT4_GROUP_SIZE (no torch here)

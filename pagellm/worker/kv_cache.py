@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from pagellm.config import EngineConfig
-from pagellm.worker.memory_plan import (
+from pagellm.memory_plan import (
     GiB,
     KVCachePlan,
     check_fits,
@@ -96,7 +96,7 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int, device: torch.devi
     Block ``num_blocks + 1`` is the scratch block: the padding rows of a CUDA-graph decode step
     write their K/V there and no block table names it (see worker/cuda_graphs.py).
     """
-    from pagellm.worker.memory_plan import kv_heads_per_rank
+    from pagellm.memory_plan import kv_heads_per_rank
 
     m = config.model
     heads = kv_heads_per_rank(m.num_kv_heads, config.parallel.tensor_parallel_size)

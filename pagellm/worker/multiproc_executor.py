@@ -285,7 +285,7 @@ def _share_cpu_kv_default(config: EngineConfig) -> EngineConfig:
     share of the free RAM) is divided among the ranks, not taken by each."""
     if config.device.device.type != "cpu" or config.cache.kv_cache_memory is not None:
         return config
-    from pagellm.worker.memory_plan import default_cpu_kv_budget
+    from pagellm.memory_plan import default_cpu_kv_budget
 
     share = default_cpu_kv_budget() // config.parallel.tensor_parallel_size
     return dataclasses.replace(config, cache=dataclasses.replace(config.cache,

@@ -6,7 +6,7 @@ import pytest
 
 from pagellm.config import parse_size
 from pagellm.engine_args import EngineArgs
-from pagellm.worker.memory_plan import check_fits, kv_bytes_per_token, plan_kv_cache
+from pagellm.memory_plan import check_fits, kv_bytes_per_token, plan_kv_cache
 
 
 @pytest.mark.parametrize("text,expect", [

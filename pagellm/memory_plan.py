@@ -1,4 +1,5 @@
-"""KV cache sizing: the one piece of arithmetic shared by the engine's start-up and `pagellm plan`.
+"""KV cache sizing: the one piece of arithmetic shared by the engine's start-up (worker/) and
+`pagellm plan` (planning/), so it sits below both.
 
 KV bytes per token = 2 (K and V) x layers x kv_heads (on this rank) x head_dim x dtype bytes.
 KV budget on CUDA = gpu_memory_utilization x total - weights - peak activations - non-torch memory
