@@ -22,6 +22,8 @@ Parameters are registered as ``nn.Parameter(requires_grad=False)`` even when int
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -107,22 +109,45 @@ class CpuInt8Method(QuantizedLinearMethod):
 def unpack_int4_cpu_t(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Transposed codes ``[k, n]`` (uint8) of a ``_convert_weight_to_int4pack_for_cpu`` weight.
 
-    The layout is PyTorch's internal one (torch 2.13, read off the op): rows in blocks of 64,
-    ``[k, 32]`` bytes per block with row j in the low and row j + 32 in the high nibble, then a
-    tail block of ``n % 64`` rows stored ``[k, tail / 2]`` with row pairs sharing a byte.
+    The layout is PyTorch's internal one (torch 2.13, read off the op), which depends on the
+    CPU: rows in blocks of ``int4_pack_block()`` (64 with AVX-512, 32 with AVX2), ``[k, block/2]``
+    bytes per block with row j in the low and row j + block/2 in the high nibble, then a tail
+    block of ``n % block`` rows stored ``[k, tail / 2]`` with row pairs sharing a byte.
     ``CpuInt4Method.quantize_weights`` checks it on every layer and stops relying on it if it
-    changes. Transposed because that is the cheap direction: 64-byte runs are copied whole.
-    """
-    main = n - n % 64
+    changes. Transposed because that is the cheap direction: whole runs are copied. ValueError
+    where the layout is neither of these."""
+    block = int4_pack_block()
+    if block is None:
+        raise ValueError("torch's CPU int4 packing has a layout pagellm does not know")
+    return _unpack_int4_blocks(packed, n, k, block)
+
+
+def _unpack_int4_blocks(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    half = block // 2
+    main = n - n % block
     parts = []
     if main:
-        b = packed[:main].reshape(main // 64, k, 32)
-        lo_hi = torch.stack([b & 0xF, b >> 4], dim=2)  # [blocks, k, 2, 32]
+        b = packed[:main].reshape(main // block, k, half)
+        lo_hi = torch.stack([b & 0xF, b >> 4], dim=2)  # [blocks, k, 2, half]
         parts.append(lo_hi.permute(1, 0, 2, 3).reshape(k, main))
-    if n % 64:
-        tail = packed[main:].reshape(k, (n % 64) // 2)
-        parts.append(torch.stack([tail & 0xF, tail >> 4], dim=-1).reshape(k, n % 64))
+    if n % block:
+        tail = packed[main:].reshape(k, (n % block) // 2)
+        parts.append(torch.stack([tail & 0xF, tail >> 4], dim=-1).reshape(k, n % block))
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+@functools.cache
+def int4_pack_block() -> int | None:
+    """The row block of torch's CPU int4 packing on this machine (64 or 32), found by packing a
+    probe whose shape has whole blocks of both sizes and a tail; None: another layout."""
+    n, k = 112, 64
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(0))
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    for block in (64, 32):
+        if torch.equal(_unpack_int4_blocks(packed, n, k, block).t(), codes):
+            return block
+    return None
 
 
 def unpack_int4_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -142,8 +167,8 @@ class CpuInt4Method(QuantizedLinearMethod):
         sz = torch.stack([scales, mins + 8 * scales], dim=-1).transpose(0, 1).contiguous()
         layer.qweight = _param(packed)
         layer.scales_and_zeros = _param(sz.to(self.compute_dtype))
-        self.layout_known = torch.equal(unpack_int4_cpu(packed, self.padded_n,
-                                                        self.in_features), codes)
+        self.layout_known = int4_pack_block() is not None and torch.equal(
+            unpack_int4_cpu(packed, self.padded_n, self.in_features), codes)
 
     def _codes_t(self, layer: nn.Module) -> torch.Tensor:
         if self.layout_known:

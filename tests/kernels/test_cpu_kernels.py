@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.kernels import cpu_ops
+from pagellm.kernels.cpu_matmul import onednn_supports
 
 # Every test runs once per kernel build this machine can run (tests/conftest.py: cpu_isa).
 pytestmark = [pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler"),
@@ -397,10 +398,14 @@ def test_cpu_matmul_choice_after_loading():
     amx = cpu_ops.linear_supports(plain["mlp"][0])
     vec = {name: cpu_ops.linear_packed_supports(w) for name, (w, _) in plain.items()}
     assert not vec["odd"] and not vec["head"]  # 40 and 300 outputs: not whole 16-row blocks
-    assert prepack_linears_for_cpu(model) == 4
-    assert model["mlp"].weight.is_mkldnn == (not amx and not vec["mlp"])
+    # oneDNN's bf16 layout needs AVX-512 or AVX-NE-CONVERT: elsewhere bf16 stays with F.linear.
+    bf16_onednn = onednn_supports(torch.bfloat16)
+    # fp32 always gets one; mlp the AMX, AVX-512 or oneDNN one; odd and head AMX or oneDNN.
+    num_kernels = 1 + (amx or vec["mlp"] or bf16_onednn) + 2 * (amx or bf16_onednn)
+    assert prepack_linears_for_cpu(model) == num_kernels
+    assert model["mlp"].weight.is_mkldnn == (not amx and not vec["mlp"] and bf16_onednn)
     assert model["mlp"].cpu_packed == (not amx and vec["mlp"])
-    assert model["odd"].weight.is_mkldnn
+    assert model["odd"].weight.is_mkldnn == (not amx and bf16_onednn)
     assert model["fp32"].cpu_packed == vec["fp32"]
     assert model["fp32"].weight.is_mkldnn != vec["fp32"]
     for name, m in model.items():
