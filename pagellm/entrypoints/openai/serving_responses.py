@@ -191,6 +191,9 @@ class ResponseRun:
         """The finished response object, stored when the request asks."""
         self.done = True
         cached = num_cached if self.serving.chat.enable_prompt_tokens_details else 0
+        # The reasoning text tokenized again may count more than were generated (a cut-off
+        # answer's text, a tokenizer that merges differently): it is part of the output.
+        num_reasoning = min(num_reasoning, num_output)
         body = self.shell.body(outcome.status, output,
                                usage(self.num_input, num_output, cached, num_reasoning),
                                outcome.incomplete_reason, error)
