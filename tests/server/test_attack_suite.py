@@ -33,7 +33,11 @@ from pagellm.entrypoints.openai.limits import (
 )
 from pagellm.entrypoints.ports import free_port
 
-STALL_BUDGET_S = 0.25
+STALL_BUDGET_S = 0.25  # /health: the event loop answers within it
+# A streamed 2-token completion's headers: admission plus the engine's next step and first
+# token, beside a 4,000-token n=2 tool stream (the CI run of 2026-12-03 saw 319 ms once in
+# 217 pings on an AVX2-only machine, 66 ms at issue 34: see that stop's closing note).
+STREAM_HEADERS_BUDGET_S = 0.5
 PING_INTERVAL_S = 0.05
 # The server's processes (API server and engine core) may grow by at most this much over the
 # whole suite: the two grammar caches' byte bounds (docs/reliability.md) plus the allocator's
@@ -163,7 +167,7 @@ def pinged(server: ServerProcess) -> Iterator[None]:
               f"{failures[:5]}")
     print(report)
     assert health and stream and not failures, report
-    assert max(health) <= STALL_BUDGET_S and max(stream) <= STALL_BUDGET_S, report
+    assert max(health) <= STALL_BUDGET_S and max(stream) <= STREAM_HEADERS_BUDGET_S, report
 
 
 def error_of(r: httpx.Response, status: int, param: str | None = None,

@@ -80,6 +80,7 @@ def fake_runner(vocab: int) -> ModelRunner:
     runner.vocab_size = vocab
     runner.eos_token_id = None
     runner.sampler = Sampler()
+    runner.logits_processors = None  # no --logits-processors plugins
     runner.input_batch = InputBatch(4, 4096, 16, vocab)
     return runner
 
