@@ -2,7 +2,7 @@
 
 usage: python benchmarks/compare_vllm.py WORKLOAD.jsonl [--dtype bfloat16] [--vllm-python PATH]
        [--hf-dir DIR | --model-config DIR] [--skip-vllm] [--repeats N] [--output-json FILE]
-       [pagellm bench throughput flags...]
+       [--max-model-len N] [--kv-cache-dtype D] [pagellm bench throughput flags...]
 
 ``--model-config DIR`` (a folder with only a config.json, e.g. benchmarks/model_configs/*)
 measures that model's shapes with random weights on both engines (load_format=dummy, no
@@ -40,10 +40,11 @@ def main():
     from vllm import LLM, SamplingParams
     path, dtype, hf_dir = sys.argv[1], sys.argv[2], sys.argv[3]
     dummy, prefix_caching = sys.argv[4] == "1", sys.argv[5] == "1"
+    max_model_len, kv_cache_dtype = int(sys.argv[6]), sys.argv[7]
     reqs = [json.loads(line) for line in open(path)]
     extra = {"load_format": "dummy", "skip_tokenizer_init": True} if dummy else {}
-    llm = LLM(model=hf_dir, dtype=dtype, max_model_len=2048,
-              enable_prefix_caching=prefix_caching, **extra)
+    llm = LLM(model=hf_dir, dtype=dtype, max_model_len=max_model_len,
+              enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype, **extra)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
               for r in reqs]
@@ -60,18 +61,21 @@ if __name__ == "__main__":  # vLLM spawns its engine process
 """
 
 
-def run_pagellm(workload: str, dtype: str, extra: list[str]) -> dict:
+def run_pagellm(workload: str, dtype: str, extra: list[str], max_model_len: int = 2048,
+                kv_cache_dtype: str = "auto") -> dict:
     cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput", "--dataset",
-           workload, "--dtype", dtype, "--max-model-len", "2048", "--kv-cache-memory", "4GiB",
-           *extra]
+           workload, "--dtype", dtype, "--max-model-len", str(max_model_len),
+           "--kv-cache-memory", "4GiB", "--kv-cache-dtype", kv_cache_dtype, *extra]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def run_vllm(workload: str, dtype: str, python: str, hf_dir: str, dummy: bool,
-             prefix_caching: bool = False) -> dict:
+             prefix_caching: bool = False, max_model_len: int = 2048,
+             kv_cache_dtype: str = "auto") -> dict:
     proc = subprocess.run([python, "-c", VLLM_SNIPPET, workload, dtype, hf_dir,
-                           "1" if dummy else "0", "1" if prefix_caching else "0"],
+                           "1" if dummy else "0", "1" if prefix_caching else "0",
+                           str(max_model_len), kv_cache_dtype],
                           env={**os.environ, **VLLM_ENV},
                           check=True, capture_output=True, text=True)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
@@ -105,6 +109,9 @@ def main() -> int:
     ap.add_argument("--model-config", default=None,
                     help="a folder holding a config.json: that model's shapes, random weights")
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="both engines")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="both engines (vLLM's names: auto, fp8, fp8_e4m3, fp8_e5m2, ...)")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--repeats", type=int, default=1,
                     help="N back-to-back pairs, alternating which engine goes first")
@@ -121,14 +128,16 @@ def main() -> int:
                                                   if load > 0.5 else ""))
     t = time.time()
     result: dict = {"date": time.strftime("%Y-%m-%d", time.localtime(t)), "load_at_start": load,
-                    "dtype": ns.dtype, "model_config": ns.model_config, "runs": []}
+                    "dtype": ns.dtype, "model_config": ns.model_config,
+                    "kv_cache_dtype": ns.kv_cache_dtype, "runs": []}
     for rep in range(ns.repeats):
         # Alternate who goes first, so a drift of the machine's speed favours neither.
         order = ["pagellm", "vllm"] if rep % 2 == 0 or ns.skip_vllm else ["vllm", "pagellm"]
         run: dict = {}
         for engine in order:
             if engine == "pagellm":
-                ours = run["pagellm"] = run_pagellm(ns.workload, ns.dtype, extra)
+                ours = run["pagellm"] = run_pagellm(ns.workload, ns.dtype, extra,
+                                                    ns.max_model_len, ns.kv_cache_dtype)
                 print(f"pagellm  {ns.dtype}: {ours['elapsed_s']:.1f} s, "
                       f"{ours['total_tokens_per_s']:.0f} total tok/s, "
                       f"{ours['output_tokens_per_s']:.0f} output tok/s "
@@ -137,7 +146,8 @@ def main() -> int:
                 theirs = run["vllm"] = run_vllm(
                     ns.workload, ns.dtype, ns.vllm_python,
                     ns.model_config or ns.hf_dir or default_hf_dir(), bool(ns.model_config),
-                    prefix_caching="--enable-prefix-caching" in extra)
+                    prefix_caching="--enable-prefix-caching" in extra,
+                    max_model_len=ns.max_model_len, kv_cache_dtype=ns.kv_cache_dtype)
                 print(f"vLLM-CPU {ns.dtype}: {theirs['elapsed_s']:.1f} s, "
                       f"{theirs['total_tokens_per_s']:.0f} total tok/s, "
                       f"{theirs['output_tokens_per_s']:.0f} output tok/s", flush=True)

@@ -8,10 +8,10 @@
 Both models are random (``--load-format dummy``) and share every shape but the MLP: the MoE
 layer has ``--experts`` experts of width ``--expert-width`` with top-``--top-k`` routing, the
 dense MLP has width ``top_k * expert_width``, so each token multiplies by the same number of
-weights (the router's ``H * E`` aside). The ratio shows what grouping by expert costs (one
-gather, one scatter, a host-side count and one pair of small matmuls per expert) next to a
-single pair of large matmuls. MoE layers run the torch grouped path on CPU and the grouped
-Triton GEMM on CUDA. ``-- --quantization int8`` (or int4) quantizes both models, experts included.
+weights (the router's ``H * E`` aside). The ratio shows what grouping by expert costs next to a
+single pair of large matmuls. MoE layers run the fused kernel on CPU (kernels/cpu_moe.cpp; the
+torch grouped path with ``PAGELLM_CPU_KERNELS=0``) and the grouped Triton GEMM on CUDA.
+``-- --quantization int8`` (or int4) quantizes both models, experts included.
 """
 
 from __future__ import annotations

@@ -170,6 +170,14 @@ class CacheConfig:
     kv_cache_memory: int | None  # bytes (CPU budget); None = default
     gpu_memory_utilization: float
     num_gpu_blocks_override: int | None
+    cache_dtype: str = "auto"  # --kv-cache-dtype (pagellm/kv_cache_dtype.py)
+
+    @property
+    def kv_cache_dtype(self) -> Any:
+        """The resolved --kv-cache-dtype (pagellm.kv_cache_dtype.KVCacheDtype)."""
+        from pagellm.kv_cache_dtype import parse_kv_cache_dtype
+
+        return parse_kv_cache_dtype(self.cache_dtype)
 
 
 @dataclass(frozen=True)

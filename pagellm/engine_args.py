@@ -52,6 +52,7 @@ from pagellm.config_flags import (
     option,
 )
 from pagellm.engine.data_parallel import check_data_parallel
+from pagellm.kv_cache_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype, parse_kv_cache_dtype
 from pagellm.kv_events_config import check_kv_events_combination, parse_kv_events_config
 from pagellm.sample.logits_processors import check_logits_processors
 from pagellm.spec_decode.config import check_speculative_combination, parse_speculative_config
@@ -89,6 +90,11 @@ class EngineArgs:
     kv_cache_memory: str | int | None = option(
         None, "KV cache size on CPU, e.g. 4GiB (default: 1/4 of free RAM, <= 8GiB)",
         parse=str)  # parse_size reads it in create_engine_config
+    kv_cache_dtype: str = option(
+        "auto", "what the KV cache stores: auto (the model's dtype), bfloat16, float16, fp8 "
+        "(= fp8_e4m3), fp8_e5m2 (one byte a value, per-tensor scales from the checkpoint or "
+        "1.0), int8_per_token_head (one byte a value and a bfloat16 scale per token and "
+        "kv head); the 8-bit ones hold ~2x the tokens of bfloat16", choices=KV_CACHE_DTYPES)
     gpu_memory_utilization: float = option(
         0.9, "fraction of GPU memory for weights + activations + KV (CUDA)")
     num_gpu_blocks_override: int | None = option(
@@ -236,6 +242,8 @@ class EngineArgs:
             self, model_context_len(hf_config), env)
         check_long_prefill_token_threshold(self.long_prefill_token_threshold, max_model_len)
 
+        check_kv_cache_dtype(parse_kv_cache_dtype(self.kv_cache_dtype), self.attention_backend,
+                             device.type, str(dtype).removeprefix("torch."))
         model_name = self.served_model_name or (self.model or DEFAULT_MODEL_NAME)
         if attention_backend_unavailable(self.attention_backend, device, env):
             raise ValueError(f"--attention-backend {self.attention_backend} "
@@ -253,6 +261,7 @@ class EngineArgs:
                 block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                 kv_cache_memory=parse_size(self.kv_cache_memory),
+                cache_dtype=self.kv_cache_dtype,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override),
             scheduler=SchedulerConfig(

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagellm.attention.backend import AttentionMetadata
+    from pagellm.attention.kv_quant import KVQuant
 
 
 @dataclass(slots=True)
@@ -22,6 +23,9 @@ class ForwardContext:
     attn_metadata: AttentionMetadata | None
     # One (k_cache, v_cache) pair per layer, indexed by the layer's index.
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # With an 8-bit --kv-cache-dtype, each layer's quantization state (scales) beside its
+    # caches, indexed like them; None: float caches.
+    kv_quant: list[KVQuant] | None = None
 
 
 _context: ForwardContext | None = None
@@ -36,10 +40,11 @@ def get_forward_context() -> ForwardContext:
 def set_forward_context(
     attn_metadata: AttentionMetadata | None,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    kv_quant: list[KVQuant] | None = None,
 ) -> Iterator[None]:
     global _context
     prev = _context
-    _context = ForwardContext(attn_metadata, kv_caches)
+    _context = ForwardContext(attn_metadata, kv_caches, kv_quant)
     try:
         yield
     finally:

@@ -1,7 +1,9 @@
 """KV cache sizing: the one piece of arithmetic shared by the engine's start-up (worker/) and
 `pagellm plan` (planning/), so it sits below both.
 
-KV bytes per token = 2 (K and V) x layers x kv_heads (on this rank) x head_dim x dtype bytes.
+KV bytes per token = 2 (K and V) x layers x kv_heads (on this rank) x (head_dim x value bytes
++ scale bytes): the value bytes of --kv-cache-dtype (1 for the 8-bit ones), plus 4 for the scale
+of each (token, head) row with int8_per_token_head.
 KV budget on CUDA = gpu_memory_utilization x total - weights - peak activations - non-torch memory
 - CUDA graphs (estimated before capture, see worker/cuda_graphs.py); on CPU it is the explicit
 --kv-cache-memory or a safe share of the free RAM. The engine fills a MemoryBudget with measured
@@ -28,8 +30,11 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
-                       tp_size: int = 1) -> int:
-    return 2 * num_layers * kv_heads_per_rank(num_kv_heads, tp_size) * head_dim * dtype_bytes
+                       tp_size: int = 1, scale_bytes: int = 0) -> int:
+    """``dtype_bytes``: of one stored value (1 for an 8-bit --kv-cache-dtype); ``scale_bytes``:
+    stored beside each (token, kv head) row (int8_per_token_head's float32 scale)."""
+    heads = kv_heads_per_rank(num_kv_heads, tp_size)
+    return 2 * num_layers * heads * (head_dim * dtype_bytes + scale_bytes)
 
 
 @dataclass(frozen=True)
@@ -154,9 +159,10 @@ def cpu_memory_budget(kv_cache_memory: int | None, weight_bytes: int,
     return MemoryBudget("cpu", available, None, weight_bytes, activation_bytes, None, kv)
 
 
-def log_plan(plan: KVCachePlan, device: str) -> None:
+def log_plan(plan: KVCachePlan, device: str, kv_cache_dtype: str = "auto") -> None:
     logger.info(
-        "KV cache on %s: %.2f GiB budget, %d bytes/token, %d blocks of %d tokens -> %d tokens; "
-        "max concurrency at max_model_len %d: %.2fx",
-        device, plan.kv_budget_bytes / GiB, plan.kv_bytes_per_token, plan.num_blocks,
+        "KV cache on %s (--kv-cache-dtype %s): %.2f GiB budget, %d bytes/token, %d blocks of %d "
+        "tokens -> %d tokens; max concurrency at max_model_len %d: %.2fx",
+        device, kv_cache_dtype, plan.kv_budget_bytes / GiB, plan.kv_bytes_per_token,
+        plan.num_blocks,
         plan.block_size, plan.token_capacity, plan.max_model_len, plan.max_concurrency)

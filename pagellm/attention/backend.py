@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from pagellm.attention.kv_quant import KVQuant
 
 # Scratch buffers a backend reuses from step to step, keyed by (slot, dtype, device, inference
 # mode). The model runner gives all layers of its model one (they run one after another).
@@ -71,6 +74,9 @@ class AttentionBackend(abc.ABC):
     ``[num_tokens, num_heads, head_dim]``. Every new K/V of the batch is written before any
     attention is computed, so a sequence may read blocks another sequence fills in the same step
     (this is how prefix-cache hits on blocks computed in the same step stay correct).
+
+    ``kv_quant`` (attention/kv_quant.py): the layer's cache holds 8-bit values (--kv-cache-dtype);
+    K/V are quantized as written and dequantized as read, never as a float copy of the cache.
     """
 
     name: str = "abstract"
@@ -110,4 +116,5 @@ class AttentionBackend(abc.ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_quant: KVQuant | None = None,
     ) -> torch.Tensor: ...

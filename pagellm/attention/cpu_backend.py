@@ -17,12 +17,13 @@ import numpy as np
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.kv_quant import KVQuant
 from pagellm.attention.torch_backend import (
     TorchAttentionBackend,
     causal_attention,
     split_decode_prefill,
 )
-from pagellm.kernels import cpu_ops
+from pagellm.kernels import cpu_kv_quant, cpu_ops
 
 
 @dataclass(slots=True)
@@ -45,6 +46,21 @@ class _StepPlan:
     prefill_lens: torch.Tensor  # int32
     prefill_ctx: torch.Tensor  # int32
     prefill_bt_rows: torch.Tensor  # int64
+    # Every sequence of the step as (first row, rows, length, block-table row), decodes first,
+    # for the 8-bit cache kernel; built by the first quantized layer.
+    quant_seqs: tuple[torch.Tensor, ...] | None = None
+
+
+def quant_seqs(plan: _StepPlan) -> tuple[torch.Tensor, ...]:
+    """(q_rows, q_lens, seq_lens, bt_rows) of the step's decode tokens (chunks of one row)
+    followed by its prefill chunks."""
+    if plan.quant_seqs is None:
+        ones = torch.ones_like(plan.lens)
+        plan.quant_seqs = (torch.cat([plan.token_rows, plan.prefill_rows]),
+                           torch.cat([ones, plan.prefill_lens]),
+                           torch.cat([plan.lens, plan.prefill_ctx]),
+                           torch.cat([plan.bt_rows, plan.prefill_bt_rows]))
+    return plan.quant_seqs
 
 
 def plan_step(meta: AttentionMetadata) -> _StepPlan:
@@ -93,8 +109,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_quant: KVQuant | None = None,
     ) -> torch.Tensor:
         n = meta.num_tokens
+        if kv_quant is not None:
+            if not cpu_kv_quant.supports(query, key, value, k_cache, v_cache, kv_quant):
+                return super().forward(query, key, value, k_cache, v_cache, meta, kv_quant)
+            return self._forward_quant(query, key, value, k_cache, v_cache, meta, kv_quant)
         if not cpu_ops.supports(query, key, value, k_cache, v_cache):
             return super().forward(query, key, value, k_cache, v_cache, meta)
         # The decode kernel takes a window and a soft-cap; the prefill kernels take neither:
@@ -123,4 +144,24 @@ class CpuAttentionBackend(TorchAttentionBackend):
             else:
                 out[start:end] = self._prefill(query[start:end], k_cache, v_cache,
                                                meta.block_tables[i], meta.seq_lens_cpu[i])
+        return out
+
+    def _forward_quant(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                       kv_quant: KVQuant) -> torch.Tensor:
+        """An 8-bit cache (--kv-cache-dtype): quantized writes, then every sequence (decode
+        tokens and prefill chunks, windowed and soft-capped too) in one call of the quantized
+        kernel, which dequantizes each chunk of K/V rows once per tile of queries. The AMX and
+        vector prefill kernels read float caches only; this one runs on every AVX-512 (or
+        plain) build."""
+        n = meta.num_tokens
+        cpu_kv_quant.write_kv(key[:n], value[:n], k_cache, v_cache, meta.slot_mapping[:n],
+                              kv_quant)
+        out = torch.empty((query.shape[0], self.num_heads, self.head_dim), dtype=query.dtype)
+        plan = plan_step(meta)
+        q_rows, q_lens, seq_lens, bt_rows = quant_seqs(plan)
+        if q_rows.numel():
+            cpu_kv_quant.paged_attention(out, query, k_cache, v_cache, kv_quant,
+                                         plan.block_tables, q_rows, q_lens, seq_lens, bt_rows,
+                                         self.scale, self.sliding_window, self.logits_soft_cap)
         return out

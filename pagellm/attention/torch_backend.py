@@ -3,7 +3,9 @@
 One step: write every new K/V into its cache slot (one vectorized index_copy_), then attend.
 Pure-decode sequences are batched: their blocks are gathered through the block tables into a
 padded ``[B, Lmax, Hkv, D]`` tensor and attended by one SDPA call. Prefill chunks (query_len > 1)
-run one by one with a causal mask shifted by their context length.
+run one by one with a causal mask shifted by their context length. A quantized cache
+(``kv_quant``, attention/kv_quant.py) is written quantized and only the gathered blocks are
+dequantized; a float cache of another dtype than the query's is converted as gathered.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.kv_quant import KVQuant, dequantize, write_kv_quant
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -104,25 +107,32 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_quant: KVQuant | None = None,
     ) -> torch.Tensor:
         num_tokens = meta.num_tokens
-        write_kv_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache,
-                       meta.slot_mapping[:num_tokens])
+        if kv_quant is not None:
+            write_kv_quant(key[:num_tokens], value[:num_tokens], k_cache, v_cache,
+                           meta.slot_mapping[:num_tokens], kv_quant)
+        else:
+            write_kv_cache(key[:num_tokens], value[:num_tokens], k_cache, v_cache,
+                           meta.slot_mapping[:num_tokens])
         out = torch.empty_like(query)
         starts = meta.query_start_loc_cpu
         seq_lens = meta.seq_lens_cpu
         decode_seqs, prefill_seqs = split_decode_prefill(meta)
         for group in _length_buckets(decode_seqs, seq_lens):
-            self._decode(query, k_cache, v_cache, meta, group, out)
+            self._decode(query, k_cache, v_cache, meta, group, out, kv_quant)
         for i in prefill_seqs:
             start, end = starts[i], starts[i + 1]
             out[start:end] = self._prefill(query[start:end], k_cache, v_cache,
-                                           meta.block_tables[i], seq_lens[i])
+                                           meta.block_tables[i], seq_lens[i], kv_quant)
         return out
 
-    def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+    def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                dtype: torch.dtype | None = None, quant: KVQuant | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of ``block_tables [B, nb]`` as ``[B, nb * block_size, Hkv, D]`` each.
+        """K/V of ``block_tables [B, nb]`` as ``[B, nb * block_size, Hkv, D]`` each, in
+        ``dtype`` (None: the cache's); a quantized cache's blocks (``quant``) dequantized.
 
         NOTE: index_select of whole rows into a reused buffer; advanced indexing (``cache[ids]``)
         copies element by element and a fresh allocation per layer costs page faults, together
@@ -136,7 +146,19 @@ class TorchAttentionBackend(AttentionBackend):
             rows = buf.view(ids.numel(), block_numel)
             torch.index_select(cache.view(cache.shape[0], block_numel), 0, ids, out=rows)
             out.append(rows.view(num_seqs, num_blocks * cache.shape[1], *cache.shape[2:]))
+        if quant is not None:
+            out = [dequantize(x, self._gather_scales(table, ids, x.shape[:3]), quant, which)
+                   for x, table, which in ((out[0], quant.k_scales, "k"),
+                                           (out[1], quant.v_scales, "v"))]
+        if dtype is not None and out[0].dtype != dtype:
+            out = [x.to(dtype) for x in out]
         return out[0], out[1]
+
+    @staticmethod
+    def _gather_scales(table: torch.Tensor | None, ids: torch.Tensor,
+                       shape: torch.Size) -> torch.Tensor | None:
+        """The per-(token, head) scales of the gathered blocks, ``[B, nb * block_size, Hkv]``."""
+        return None if table is None else table.index_select(0, ids).view(shape)
 
     def _workspace(self, slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
         # Shared by every layer of an engine's model: layers run one after another and each
@@ -152,7 +174,8 @@ class TorchAttentionBackend(AttentionBackend):
         return buf[:numel]
 
     def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, seqs: list[int], out: torch.Tensor) -> None:
+                meta: AttentionMetadata, seqs: list[int], out: torch.Tensor,
+                quant: KVQuant | None = None) -> None:
         device = query.device
         block_size = k_cache.shape[1]
         window = self.sliding_window
@@ -179,7 +202,8 @@ class TorchAttentionBackend(AttentionBackend):
                 max=block_tables.shape[1] - 1)
             block_tables = torch.gather(block_tables, 1, cols)
             first_pos = first_block * block_size
-        k, v = self._gather(k_cache, v_cache, block_tables)  # [B, Lmax, Hkv, D]
+        # [B, Lmax, Hkv, D]
+        k, v = self._gather(k_cache, v_cache, block_tables, query.dtype, quant)
         key_pos = torch.arange(k.shape[1], device=device)[None, :]
         if first_pos is not None:
             key_pos = key_pos + first_pos[:, None]
@@ -202,7 +226,8 @@ class TorchAttentionBackend(AttentionBackend):
             out[token_idx] = o
 
     def _prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+                 block_table: torch.Tensor, seq_len: int,
+                 quant: KVQuant | None = None) -> torch.Tensor:
         block_size = k_cache.shape[1]
         query_len = query.shape[0]
         context_len = seq_len - query_len
@@ -213,7 +238,7 @@ class TorchAttentionBackend(AttentionBackend):
             first_block = max(context_len - window + 1, 0) // block_size
         blocks = block_table[None, first_block: -(-seq_len // block_size)]
         first_pos = first_block * block_size
-        k, v = self._gather(k_cache, v_cache, blocks)
+        k, v = self._gather(k_cache, v_cache, blocks, query.dtype, quant)
         k = k[0, : seq_len - first_pos].transpose(0, 1)[None]  # [1, Hkv, S, D]
         v = v[0, : seq_len - first_pos].transpose(0, 1)[None]
         q = query.transpose(0, 1)[None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.kv_quant import KVQuant
 from pagellm.attention.triton_kernels import paged_attention, reshape_and_cache
 
 # Split decode keys into segments while (sequence, kv head) programs number fewer than this many
@@ -75,15 +76,17 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_quant: KVQuant | None = None,
     ) -> torch.Tensor:
         shape = query.shape
         query = query.view(-1, self.num_heads, self.head_dim)
         key = key.view(-1, self.num_kv_heads, self.head_dim)
         value = value.view(-1, self.num_kv_heads, self.head_dim)
         n = meta.num_tokens
-        assert query.dtype == k_cache.dtype, "query and KV cache dtypes differ"
+        assert kv_quant is not None or query.dtype == k_cache.dtype, \
+            "query and KV cache dtypes differ"
         # All stores land before any attention: a sequence may read blocks filled this step.
-        reshape_and_cache(key[:n], value[:n], k_cache, v_cache, meta.slot_mapping[:n])
+        reshape_and_cache(key[:n], value[:n], k_cache, v_cache, meta.slot_mapping[:n], kv_quant)
         out = torch.empty_like(query)
         if query.shape[0] > n:  # rows padded past the batch (e.g. to a graph size) stay defined
             out[n:].zero_()
@@ -111,5 +114,6 @@ class TritonAttentionBackend(AttentionBackend):
             tile_size=_TILE,
             sliding_window=self.sliding_window,
             soft_cap=self.logits_soft_cap,
+            kv_quant=kv_quant,
         )
         return out.view(shape)

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.attention.kv_quant import KVQuant
+from pagellm.attention.triton_kv_quant import KV_FORMATS, _dequant, reshape_and_cache_quant
 from pagellm.config import read_env
 
 _LOG2E = 1.4426950408889634
@@ -80,8 +82,8 @@ def _find_seq_idx(query_start_loc_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.conste
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    segm_out_ptr, segm_max_ptr, segm_sum_ptr,
-    qk_scale, num_seqs, sliding_window, soft_cap,
+    segm_out_ptr, segm_max_ptr, segm_sum_ptr, k_scales_ptr, v_scales_ptr,
+    qk_scale, num_seqs, sliding_window, soft_cap, k_scale, v_scale, num_kv_heads,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kc_blk, stride_kc_off, stride_kc_head,
     stride_vc_blk, stride_vc_off, stride_vc_head,
@@ -90,6 +92,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_PAD: tl.constexpr, TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     UPCAST_DOT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+    KV_FMT: tl.constexpr,
 ):  # fmt: skip
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -150,8 +153,16 @@ def _paged_attention_kernel(
         k = tl.load(
             k_cache_ptr + k_base[None, :] + offs_d[:, None],
             mask=k_ok[None, :] & d_ok[:, None],
-            other=0.0,
+            other=0,
         )
+        if KV_FMT != 0:
+            # An 8-bit cache: the tile dequantized in registers, into the query's dtype.
+            if KV_FMT == 3:
+                k_row_scale = tl.load(k_scales_ptr + (blk * BLOCK_SIZE + off) * num_kv_heads
+                                      + kv_head, mask=k_ok, other=0.0).to(tl.float32)
+                k = (_dequant(k, KV_FMT) * k_row_scale[None, :]).to(q.dtype)
+            else:
+                k = (_dequant(k, KV_FMT) * k_scale).to(q.dtype)
         s = _dot(q, k, UPCAST_DOT) * qk_scale  # log2 units
         if HAS_SOFT_CAP:
             # cap * tanh(x / cap) on the natural-units score x = s / log2(e), tanh written as
@@ -170,8 +181,15 @@ def _paged_attention_kernel(
         v = tl.load(
             v_cache_ptr + v_base[:, None] + offs_d[None, :],
             mask=k_ok[:, None] & d_ok[None, :],
-            other=0.0,
+            other=0,
         )
+        if KV_FMT != 0:
+            if KV_FMT == 3:
+                v_row_scale = tl.load(v_scales_ptr + (blk * BLOCK_SIZE + off) * num_kv_heads
+                                      + kv_head, mask=k_ok, other=0.0).to(tl.float32)
+                v = (_dequant(v, KV_FMT) * v_row_scale[:, None]).to(q.dtype)
+            else:
+                v = (_dequant(v, KV_FMT) * v_scale).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT)
         m_i = m_new
 
@@ -226,6 +244,7 @@ def reshape_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_quant: KVQuant | None = None,
 ) -> None:
     """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their cache slots.
 
@@ -238,6 +257,9 @@ def reshape_and_cache(
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_last_dim(name, t)
     assert k_cache.shape[2:] == (num_kv_heads, head_dim), "cache shape does not match key"
+    if kv_quant is not None:
+        reshape_and_cache_quant(key, value, k_cache, v_cache, slot_mapping, kv_quant)
+        return
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -265,8 +287,10 @@ def paged_attention(
     tile_size: int | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_quant: KVQuant | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query [T, Hq, D]`` over the paged cache, written into ``out``.
+    ``kv_quant``: the cache holds 8-bit values (attention/kv_quant.py), dequantized per tile.
 
     ``sliding_window`` W: a row at position p sees keys in (p - W, p] and never reads blocks
     below its window; ``soft_cap`` c: scores become ``c * tanh(score / c)`` (see
@@ -301,10 +325,15 @@ def paged_attention(
         segm_sum = torch.empty(num_tokens, num_heads, num_segments, **f32)
     else:
         segm_out = segm_max = segm_sum = out  # unused
+    fmt = 0 if kv_quant is None else KV_FORMATS[kv_quant.kind]
+    k_scales = kv_quant.k_scales if fmt == 3 else k_cache  # unused unless int8
+    v_scales = kv_quant.v_scales if fmt == 3 else v_cache
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        segm_out, segm_max, segm_sum,
+        segm_out, segm_max, segm_sum, k_scales, v_scales,
         scale * _LOG2E, num_seqs, sliding_window or 0, soft_cap or 1.0,
+        kv_quant.k_scale if kv_quant else 1.0, kv_quant.v_scale if kv_quant else 1.0,
+        num_kv_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -313,6 +342,7 @@ def paged_attention(
         BLOCK_M=block_m, HEAD_PAD=head_pad, TILE=tile,
         NUM_SEGMENTS=num_segments, UPCAST_DOT=_interpreting(),
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=soft_cap is not None,
+        KV_FMT=fmt,
     )  # fmt: skip
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](

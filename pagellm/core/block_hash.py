@@ -108,16 +108,19 @@ def extend_block_hashes(
 
 
 def request_extra_keys(
-    cache_salt: str | None, group_id: str | None, enable_caching: bool
+    cache_salt: str | None, group_id: str | None, enable_caching: bool,
+    kv_dtype_key: str | None = None,
 ) -> ExtraKeys | None:
     """Extra keys of a request's first block, or ``None`` when the request is not hashed at all.
 
     With prefix caching on, every request is hashed and a non-empty salt isolates its tenant
     (``None`` and ``""`` both mean unsalted). With it off, only the n samples of one prompt share
     blocks, so only requests with a ``group_id`` are hashed, and the group id keeps the chain
-    private to the siblings.
+    private to the siblings. ``kv_dtype_key`` (KVCacheDtype.hash_key: None for
+    --kv-cache-dtype auto) keeps blocks of one KV dtype from ever matching another's, in this
+    engine or in a router comparing several engines' KV events.
     """
-    keys: list[str] = []
+    keys: list[str] = [kv_dtype_key] if kv_dtype_key else []
     if cache_salt:
         keys.append("salt=" + cache_salt)
     if not enable_caching:

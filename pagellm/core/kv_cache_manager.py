@@ -53,6 +53,7 @@ class KVCacheManager:
         max_model_len: int | None = None,
         group_windows: list[int | None] | None = None,
         enable_kv_cache_events: bool = False,
+        kv_dtype_key: str | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
@@ -71,6 +72,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
         self.hash_fn = get_hash_fn(hash_algo)
+        # --kv-cache-dtype's key in every first block's hash (KVCacheDtype.hash_key; None for
+        # auto), so blocks of one KV dtype never match another's.
+        self.kv_dtype_key = kv_dtype_key
         # KV cache events (--kv-events-config) are recorded by the pool, with caching on only.
         self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events,
                                     block_size)
@@ -97,7 +101,8 @@ class KVCacheManager:
         return self.block_pool.get_num_free_blocks()
 
     def _extra_keys(self, request: Request) -> ExtraKeys | None:
-        return request_extra_keys(request.cache_salt, request.group_id, self.enable_caching)
+        return request_extra_keys(request.cache_salt, request.group_id, self.enable_caching,
+                                  self.kv_dtype_key)
 
     def _block_hashes(self, request: Request) -> list[BlockHash] | None:
         """The request's full-block hashes, extended to its current tokens (None: not hashed)."""

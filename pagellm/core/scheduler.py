@@ -84,6 +84,7 @@ class Scheduler:
             max_model_len=self.max_model_len,
             group_windows=kv_group_windows,
             enable_kv_cache_events=enable_kv_cache_events,
+            kv_dtype_key=_kv_dtype_key(cache_config),
         )
         self.policy = getattr(scheduler_config, "policy", "fcfs")
         self.async_scheduling = getattr(scheduler_config, "async_scheduling", False)
@@ -484,3 +485,10 @@ class Scheduler:
             num_steps=self.num_steps,
             spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
         )
+
+
+def _kv_dtype_key(cache_config: CacheConfigLike) -> str | None:
+    """The hash key of --kv-cache-dtype (pagellm.config.CacheConfig.kv_cache_dtype); None for
+    auto or a cache config without one (tests' fakes)."""
+    kv_dtype = getattr(cache_config, "kv_cache_dtype", None)
+    return kv_dtype.hash_key() if kv_dtype is not None else None

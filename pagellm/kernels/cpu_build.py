@@ -1,6 +1,6 @@
 """Build (once) and load the CPU kernels (``cpu_ops.cpp``, ``cpu_attention.cpp``,
 ``cpu_linear.cpp``, ``cpu_linear_vec.cpp``, ``cpu_decoder.cpp``, ``cpu_prefill.cpp``,
-``cpu_prefill_vec.cpp``).
+``cpu_prefill_vec.cpp``, ``cpu_moe.cpp``).
 
 The library is compiled with the machine's C++ compiler the first time it is needed (a few seconds)
 and cached under ``$PAGELLM_CACHE_DIR/kernels`` (default ``~/.cache/pagellm/kernels``), keyed by
@@ -35,10 +35,11 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "cpu_attention.cpp", _HERE / "cpu_linear.cpp",
            _HERE / "cpu_linear_vec.cpp", _HERE / "cpu_decoder.cpp", _HERE / "cpu_prefill.cpp",
-           _HERE / "cpu_prefill_vec.cpp"]
+           _HERE / "cpu_prefill_vec.cpp", _HERE / "cpu_moe.cpp",
+           _HERE / "cpu_kv_quant.cpp"]
 HEADERS = [_HERE / "cpu_common.h", _HERE / "cpu_amx.h", _HERE / "cpu_prefill.h",
            _HERE / "cpu_attention_vec.h", _HERE / "cpu_attention_amx.h",
-           _HERE / "cpu_entry_points.h"]
+           _HERE / "cpu_entry_points.h", _HERE / "cpu_kv_quant.h"]
 ABI_VERSION = 10
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]

@@ -50,6 +50,15 @@ _SIGNATURES = {
                                   c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64,
                                   c_float, c_void_p],
     "pagellm_prefill_attention_supported": [c_int, c_int64],
+    "pagellm_moe_available": [c_int, c_int64, c_int64],
+    "pagellm_moe_forward": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p,
+                            c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64],
+    "pagellm_moe_forward_int8": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p,
+                                 c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64,
+                                 c_int64, c_int64, c_int64, c_int64],
+    "pagellm_moe_forward_int4": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p,
+                                 c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64,
+                                 c_int64, c_int64, c_int64, c_int64, c_int64],
 }
 
 class CacheBounds(ctypes.Structure):
@@ -120,7 +129,9 @@ _RETURNS_INT = ("pagellm_linear_available", "pagellm_linear", "pagellm_linear_pa
                 "pagellm_prefill_attention", "pagellm_prefill_attention_supported",
                 "pagellm_paged_attention", "pagellm_paged_attention_windowed",
                 "pagellm_paged_attention_supported",
-                "pagellm_paged_attention_slices", "pagellm_kernel_paths", "pagellm_write_kv")
+                "pagellm_paged_attention_slices", "pagellm_kernel_paths", "pagellm_write_kv",
+                "pagellm_moe_available", "pagellm_moe_forward", "pagellm_moe_forward_int8",
+                "pagellm_moe_forward_int4")
 
 # The kernels' answer for an index outside the cache or the batch (kOutOfBounds).
 _OUT_OF_BOUNDS = -1
@@ -175,6 +186,12 @@ def built_for(isa: str) -> Iterator[list[str]]:
         _lib, _checked = saved, True
 def available() -> bool:
     return _library() is not None
+
+
+def library() -> ctypes.CDLL | None:
+    """The typed kernel library in use (the ``built_for`` one inside that block), or None:
+    for wrappers kept in their own modules (cpu_moe.py)."""
+    return _library()
 
 
 def dtype_supported(dtype: torch.dtype) -> bool:

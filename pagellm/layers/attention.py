@@ -36,6 +36,10 @@ class Attention(nn.Module):
         # The KV cache group whose block tables this layer reads (core/kv_cache_groups.py): set
         # by the model runner for models with several groups.
         self.kv_cache_group = 0
+        # Per-tensor K/V scales of an fp8 KV cache (--kv-cache-dtype): the checkpoint's
+        # k_scale/v_scale where it carries them (models/kv_scales.py), else 1.0.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         # Built on first use: the backend may depend on the device the activations live on.
         self._backend: AttentionBackend | None = None
 
@@ -59,6 +63,11 @@ class Attention(nn.Module):
                                    self.logits_soft_cap)
         else:
             k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-            out = self.get_backend(q.device).forward(q, k, v, k_cache, v_cache,
-                                                     meta.for_group(self.kv_cache_group))
+            backend = self.get_backend(q.device)
+            group_meta = meta.for_group(self.kv_cache_group)
+            if ctx.kv_quant is None:
+                out = backend.forward(q, k, v, k_cache, v_cache, group_meta)
+            else:
+                out = backend.forward(q, k, v, k_cache, v_cache, group_meta,
+                                      kv_quant=ctx.kv_quant[self.layer_idx])
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -11,14 +11,19 @@ one pair of matmuls per expert that got tokens, one ``index_add_`` back. Adding 
 outputs in ascending expert order per token is transformers' order, so float32 results agree
 to the bit on CPU.
 
-That torch path is the CPU path and the reference. On CUDA (with triton) the experts run as two
+That torch path is the reference, and the CPU path where the kernels cannot serve the experts.
+Where they can (float32 or bfloat16 models, float or int8 experts, widths divisible by 16,
+AVX-512), the experts are packed once after loading (``prepack_experts_for_cpu``,
+moe_cpu_pack.py) and the whole MLP is one call of the fused kernel (kernels/cpu_moe.cpp: sort
+by expert, gate/up with the SiLU on the tile, down rows scaled and added straight into the
+output, a token's experts in ascending order). On CUDA (with triton) the experts run as two
 grouped Triton GEMMs over all experts (triton_moe.py), which need no host-side counts, so CUDA
 graphs capture them too. Where neither applies while a CUDA graph is being captured (no triton),
 each expert runs over every token, weighted by its routing weight (zero where it was not chosen).
 
-``--quantization int8|int4`` quantizes the experts too (``quantize_``, moe_quant.py): per expert
-through the linear layers' quantized kernels on CPU, dequantized inside the grouped Triton kernel
-on CUDA. The router stays float.
+``--quantization int8|int4`` quantizes the experts too (``quantize_``, moe_quant.py): on CPU int8
+through the fused kernel, int4 per expert through the linear layers' quantized kernels; on CUDA
+dequantized inside the grouped Triton kernel. The router stays float.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torch import nn
 
 from pagellm.distributed.communication import tensor_model_parallel_all_reduce
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
+from pagellm.layers.moe_cpu_pack import CpuPackedExperts
 from pagellm.layers.moe_quant import ExpertsQuantMethod, experts_group_size
 from pagellm.layers.quantization import QuantConfig, resolve_backend
 
@@ -105,6 +111,9 @@ class FusedMoE(nn.Module):
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.quant: ExpertsQuantMethod | None = None  # set by quantize_
+        # The stacks in the fused CPU kernel's layouts (prepack_for_cpu), or None.
+        self.cpu: CpuPackedExperts | None = None
+        self._repack = False  # unpacked for a weight update: pack again after it
         self._loaded_experts: set[int] = set()  # experts loaded since the last quantization
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
@@ -143,19 +152,39 @@ class FusedMoE(nn.Module):
         self._loaded_experts.clear()
         return group
 
+    @property
+    def cpu_packed(self) -> bool:
+        return self.cpu is not None
+
+    def prepack_for_cpu(self) -> bool:
+        """After loading (and quantizing): the experts into the fused CPU kernel's layouts
+        where it takes them (moe_cpu_pack.py); returns whether they moved."""
+        if self.cpu is None:
+            self.cpu = CpuPackedExperts.pack(self)
+        return self.cpu is not None
+
     def to_float_layout(self) -> None:
-        """Quantized experts: float ``w13_weight``/``w2_weight`` again, for ``LLM.load_weights``
-        (``process_weights_after_loading`` re-quantizes the experts it loaded into)."""
+        """Float ``w13_weight``/``w2_weight`` again, for ``LLM.load_weights`` (packed experts
+        unpacked, quantized ones dequantized; ``process_weights_after_loading`` re-quantizes
+        the experts it loaded into and packs the stacks again)."""
+        if self.cpu is not None:
+            self.cpu.unpack(self)
+            self.cpu, self._repack = None, True
+            self._loaded_experts.clear()
         if self.quant is not None and not hasattr(self, "w13_weight"):
             self.quant.to_float_layout(self)
             self._loaded_experts.clear()
 
     def process_weights_after_loading(self) -> bool:
-        if self.quant is None or not hasattr(self, "w13_weight"):
-            return False
-        self.quant.quantize_experts(self, set(self._loaded_experts))
+        changed = False
+        if self.quant is not None and hasattr(self, "w13_weight"):
+            self.quant.quantize_experts(self, set(self._loaded_experts))
+            changed = True
         self._loaded_experts.clear()
-        return True
+        if self._repack:
+            self._repack = False
+            changed = self.prepack_for_cpu() or changed
+        return changed
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         if self.quant is not None:
@@ -186,8 +215,9 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, ``router_logits [T, E]`` -> ``[T, H]`` (all-reduced over tp)."""
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
-        ops = self._triton_ops(x)
-        if ops is not None:
+        if self.cpu is not None:
+            out = self.cpu.forward(self, x, weights, ids)
+        elif (ops := self._triton_ops(x)) is not None:
             out = ops.fused_experts(x, *self._expert_weights(ops), weights, ids)
         elif x.is_cuda and torch.cuda.is_current_stream_capturing():
             out = self._forward_dense(x, weights, ids)
@@ -222,6 +252,13 @@ class FusedMoE(nn.Module):
         for e in range(self.num_experts):
             out += self._expert(x, e) * dense[:, e:e + 1]
         return out
+
+
+def prepack_experts_for_cpu(model: nn.Module) -> int:
+    """After loading (and quantizing): every FusedMoE's float CPU experts into the fused
+    kernel's layouts where it takes them; returns how many moved. ``PAGELLM_CPU_KERNELS=0``
+    leaves them to the torch path."""
+    return sum(m.prepack_for_cpu() for m in model.modules() if isinstance(m, FusedMoE))
 
 
 class SparseMoeBlock(nn.Module):

@@ -170,7 +170,7 @@ class CpuInt4Method(QuantizedLinearMethod):
         self.layout_known = int4_pack_block() is not None and torch.equal(
             unpack_int4_cpu(packed, self.padded_n, self.in_features), codes)
 
-    def _codes_t(self, layer: nn.Module) -> torch.Tensor:
+    def codes_t(self, layer: nn.Module) -> torch.Tensor:
         if self.layout_known:
             return unpack_int4_cpu_t(layer.qweight, self.padded_n, self.in_features)
         # Unknown packing: read the codes back through the op itself (slow; never in practice).
@@ -189,7 +189,7 @@ class CpuInt4Method(QuantizedLinearMethod):
         sz = layer.scales_and_zeros.float()  # [G, N, 2]
         scales = sz[..., 0].unsqueeze(1)
         mins = (sz[..., 1] - 8 * sz[..., 0]).unsqueeze(1)
-        codes = self._codes_t(layer).view(k // g, g, n)
+        codes = self.codes_t(layer).view(k // g, g, n)
         out = torch.empty(k // g, g, n, dtype=dtype, device=codes.device)
         step = max(1, _DEQUANT_CHUNK // (g * n))
         for i in range(0, k // g, step):

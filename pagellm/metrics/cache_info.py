@@ -14,8 +14,8 @@ def cache_config_info(cache: CacheConfig, num_gpu_blocks: int | None) -> dict[st
     """``num_gpu_blocks``: the KV blocks the engine allocated (on any device: vLLM's name)."""
     return {
         "block_size": str(cache.block_size),
-        # The KV cache is kept in the model's dtype: vLLM's "auto".
-        "cache_dtype": "auto",
+        # --kv-cache-dtype as given (vLLM's spelling: "auto" is the model's dtype).
+        "cache_dtype": cache.cache_dtype,
         "enable_prefix_caching": str(cache.enable_prefix_caching),
         "prefix_caching_hash_algo": cache.prefix_caching_hash_algo,
         "gpu_memory_utilization": str(cache.gpu_memory_utilization),

@@ -19,6 +19,7 @@ from pagellm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagellm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, get_rope
+from pagellm.models.kv_scales import load_kv_scale
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +238,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if ckpt_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # some tied checkpoints store the copy anyway
+            if load_kv_scale(self, ckpt_name, tensor):
+                continue  # an fp8 KV cache's scale (models/kv_scales.py)
             name, shard_id = self.stacked_target(ckpt_name)
             param = params.get(name)
             if param is None:

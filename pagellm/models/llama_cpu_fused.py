@@ -162,7 +162,11 @@ class LlamaCpuFused:
         ctx = get_forward_context()
         meta = ctx.attn_metadata
         num_tokens = hidden.shape[0]
-        if (meta is None or num_tokens != meta.num_tokens or num_tokens <= 0
+        # NOTE: an 8-bit --kv-cache-dtype (ctx.kv_quant) never takes the fused step: its C++
+        # decoder reads float caches only, so those steps run layer by layer, whose CPU
+        # attention backend reads the quantized blocks (kernels/cpu_kv_quant.cpp).
+        if (meta is None or ctx.kv_quant is not None or num_tokens != meta.num_tokens
+                or num_tokens <= 0
                 or (self.max_tokens is not None and num_tokens > self.max_tokens)
                 or hidden.dtype != self.dtype or not hidden.is_contiguous()
                 or not self._layer_table(ctx.kv_caches)):

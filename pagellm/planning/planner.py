@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pagellm.core.kv_cache_groups import KVCacheLayout, kv_cache_layout
+from pagellm.kv_cache_dtype import parse_kv_cache_dtype
 from pagellm.memory_plan import (
     KVCachePlan,
     MemoryBudget,
@@ -54,10 +55,20 @@ class PlanSettings:
     # A draft model (--speculative-config method draft_model; tensor parallel size 1 only),
     # whose weights and cache share the budget as in the engine (worker/kv_cache.py).
     draft: ModelSpec | None = None
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype (pagellm/kv_cache_dtype.py)
 
     @property
     def dtype_bytes(self) -> int:
         return _DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_value_bytes(self) -> int:
+        """Bytes of one stored K/V value at --kv-cache-dtype."""
+        return parse_kv_cache_dtype(self.kv_cache_dtype).element_bytes(self.dtype_bytes)
+
+    @property
+    def kv_scale_bytes(self) -> int:
+        return parse_kv_cache_dtype(self.kv_cache_dtype).scale_bytes()
 
 
 @dataclass(frozen=True)
@@ -148,7 +159,8 @@ def plan_rank(spec: ModelSpec, device: DeviceTarget, s: PlanSettings, rank: int 
     if draft is not None:
         draft_weights = weight_bytes_per_rank(draft, s.dtype_bytes, 1, s.quantization).total
         draft_per_token = kv_bytes_per_token(_kv_layout(draft).num_tensors, draft.num_kv_heads,
-                                             draft.head_dim, s.dtype_bytes)
+                                             draft.head_dim, s.kv_value_bytes, 1,
+                                             s.kv_scale_bytes)
     all_weights = weights.total + draft_weights
     activation = estimate_activation_bytes(spec, s.dtype_bytes, tp, s.max_num_batched_tokens,
                                            s.max_num_seqs)
@@ -161,14 +173,14 @@ def plan_rank(spec: ModelSpec, device: DeviceTarget, s: PlanSettings, rank: int 
                                    max(0, device.total_bytes - all_weights), activation)
     layout = _kv_layout(spec)
     per_token = kv_bytes_per_token(layout.num_tensors, spec.num_kv_heads, spec.head_dim,
-                                   s.dtype_bytes, tp) + draft_per_token
+                                   s.kv_value_bytes, tp, s.kv_scale_bytes) + draft_per_token
     windowed = any(w is not None for w in layout.windows)
     request_blocks = (layout.blocks_for_tokens(s.max_model_len, s.block_size,
                                                s.max_num_batched_tokens) if windowed else 0)
     kv = plan_kv_cache(budget.kv_budget_bytes, per_token, s.block_size, s.max_model_len,
                        s.num_gpu_blocks_override, request_blocks)
     full_per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                        s.dtype_bytes, tp) + draft_per_token
+                                        s.kv_value_bytes, tp, s.kv_scale_bytes) + draft_per_token
     full_blocks = -(-s.max_model_len // s.block_size)
     return RankPlan(rank, weights, budget, kv,
                     request_kv_bytes=kv.blocks_per_max_len_request * kv.bytes_per_block,
@@ -212,7 +224,8 @@ def resolve_settings(args: EngineArgs, spec: ModelSpec, device: DeviceTarget,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=parse_size(args.kv_cache_memory),
         num_gpu_blocks_override=args.num_gpu_blocks_override,
-        draft=draft_model_spec(speculative))
+        draft=draft_model_spec(speculative),
+        kv_cache_dtype=parse_kv_cache_dtype(args.kv_cache_dtype).name)
 
 
 @dataclass(frozen=True)
@@ -258,7 +271,7 @@ def planned_for_engine(config: EngineConfig, measured: MemoryBudget) -> RankPlan
         max_num_batched_tokens=sch.max_num_batched_tokens, block_size=c.block_size,
         gpu_memory_utilization=c.gpu_memory_utilization, kv_cache_memory=c.kv_cache_memory,
         num_gpu_blocks_override=c.num_gpu_blocks_override,
-        draft=draft_model_spec(config.speculative_config))
+        draft=draft_model_spec(config.speculative_config), kv_cache_dtype=c.cache_dtype)
     total = measured.total_bytes + (measured.weight_bytes if kind == "cpu" else 0)
     target = DeviceTarget(str(config.device.device), kind, total, "this device")
     return plan_rank(spec, target, settings)

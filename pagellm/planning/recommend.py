@@ -21,12 +21,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
+from pagellm.kv_cache_dtype import parse_kv_cache_dtype
 from pagellm.planning.devices import DeviceTarget
 from pagellm.planning.model_spec import ModelSpec
 from pagellm.planning.planner import TIGHT_CONCURRENCY, PlanSettings, RankPlan, plan_rank
 from pagellm.planning.weights import QUANTIZATIONS, valid_tensor_parallel
 
 TP_CHOICES = (2, 4, 8, 16)
+# The 8-bit KV dtypes suggested, best quality first (per token-head scales track each row).
+KV_DTYPE_SUGGESTIONS = ("int8_per_token_head", "fp8")
 HIGH_UTILIZATION = 0.95
 MiB = 1 << 20
 
@@ -65,7 +68,8 @@ def _best(candidates: list[tuple[str, str, RankPlan]], than: RankPlan) -> Sugges
 def suggest(spec: ModelSpec, device: DeviceTarget, s: PlanSettings,
             plan: RankPlan) -> list[Suggestion]:
     """Nearest settings that fit (or give room, when the plan is tight): a lower
-    --max-model-len, more tensor parallelism, int8/int4 weights; each with its capacity."""
+    --max-model-len, more tensor parallelism, an 8-bit --kv-cache-dtype, int8/int4 weights;
+    each with its capacity."""
     if plan.status == "fits":
         return []
     out: list[Suggestion | None] = []
@@ -92,6 +96,11 @@ def suggest(spec: ModelSpec, device: DeviceTarget, s: PlanSettings,
                       # A draft model runs with tensor parallel size 1 only.
                       if tp > s.tensor_parallel_size and valid_tensor_parallel(spec, tp)
                       and s.draft is None], plan))
+    if not parse_kv_cache_dtype(s.kv_cache_dtype).quantized:
+        # An 8-bit KV cache holds ~2x the tokens of a 16-bit one (int8 adds its scales).
+        out.append(_best([(f"--kv-cache-dtype {kv}", "an 8-bit KV cache holds about twice "
+                           "the tokens", plan_rank(spec, device, replace(s, kv_cache_dtype=kv)))
+                          for kv in KV_DTYPE_SUGGESTIONS], plan))
     quants = QUANTIZATIONS[QUANTIZATIONS.index(s.quantization) + 1:]
     out.append(_best([(f"--quantization {q}", "weight-only quantization frees room for KV",
                        plan_rank(spec, device, replace(s, quantization=q))) for q in quants],

@@ -69,7 +69,7 @@ def format_report(report: PlanReport) -> str:
         f"pagellm plan: {spec.name} ({spec.architecture}, {params:.2f}B parameters, "
         f"{spec.checkpoint_format}{stored})",
         f"target: {dev.name} ({dev.description}) x {tp}, dtype {s.dtype}, "
-        f"quantization {s.quantization}",
+        f"quantization {s.quantization}, KV cache dtype {s.kv_cache_dtype}",
         f"flags: --max-model-len {s.max_model_len} --max-num-seqs {s.max_num_seqs} "
         f"--max-num-batched-tokens {s.max_num_batched_tokens} --block-size {s.block_size}"
         + (f" --gpu-memory-utilization {s.gpu_memory_utilization}" if dev.kind == "cuda"

@@ -41,8 +41,11 @@ from pagellm.worker.flat_batch import flat_positions, paged_attention_metadata
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
 from pagellm.worker.kv_cache import (
     allocate_kv_caches,
+    allocate_kv_quant,
     config_kv_bytes_per_token,
     kv_cache_bytes,
+    kv_quant_bytes,
+    layer_kv_scales,
 )
 from pagellm.worker.runner_model import load_runner_model
 
@@ -142,6 +145,9 @@ class DraftModelProposer:
                     model_name, self.config.model.architecture, time.perf_counter() - start,
                     self.weight_bytes / 2**20)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The draft cache follows the target's --kv-cache-dtype (its config's cache is the
+        # target's): the scales of an 8-bit one, else None.
+        self.kv_quant: list | None = None
         self.num_blocks = 0
         self.requests: dict[str, _DraftState] = {}
 
@@ -160,6 +166,8 @@ class DraftModelProposer:
 
     def initialize(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.config, num_blocks, self.device, self.dtype)
+        self.kv_quant = allocate_kv_quant(self.config, num_blocks, self.device,
+                                          layer_kv_scales(self.model))
         self.num_blocks = num_blocks
         self.requests.clear()
         per_token = self.kv_bytes_per_token
@@ -174,8 +182,9 @@ class DraftModelProposer:
     def sleep(self, level: int) -> int:
         """Free the draft cache and, at level 2, the draft's weights; returns the bytes freed.
         The engine sleeps only when idle, so no request's draft K/V are lost."""
-        freed = kv_cache_bytes(self.kv_caches)
+        freed = kv_cache_bytes(self.kv_caches) + kv_quant_bytes(self.kv_quant)
         self.kv_caches = []
+        self.kv_quant = None
         self.requests.clear()
         if level == 2 and self.model is not None:
             freed += self.weight_bytes
@@ -315,7 +324,7 @@ class DraftModelProposer:
         meta = paged_attention_metadata(table, rows, token_rows, positions, cu, num_sched,
                                         num_computed + num_sched, self.block_size, dev,
                                         padding_is_zero=False)
-        with set_forward_context(meta, self.kv_caches):
+        with set_forward_context(meta, self.kv_caches, self.kv_quant):
             hidden = self.model(input_ids, torch.from_numpy(positions).to(dev, non_blocking=True))
         return hidden, cu
 

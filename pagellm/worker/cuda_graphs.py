@@ -145,6 +145,7 @@ class GraphRunner:
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.model = model
         self.kv_caches = kv_caches
+        self.kv_quant: list | None = None  # an 8-bit cache's scales (attention/kv_quant.py)
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
         self.null_block_id = null_block_id
@@ -213,7 +214,7 @@ class GraphRunner:
     def _forward(self, size: int) -> None:
         """The captured region: everything in here must be capture-safe (no host reads of
         tensor data, no tensors built from host lists)."""
-        with set_forward_context(self.metas[size], self.kv_caches):
+        with set_forward_context(self.metas[size], self.kv_caches, self.kv_quant):
             hidden = self.model(self.input_ids[:size], self.positions[:size])
         self.output[:size].copy_(hidden)
 
@@ -250,7 +251,8 @@ class GraphRunner:
 
 def build_graph_runner(config: EngineConfig, model: torch.nn.Module,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_blocks: int,
-                       sizes: list[int], reserved_bytes: int) -> GraphRunner | None:
+                       sizes: list[int], reserved_bytes: int,
+                       kv_quant: list | None = None) -> GraphRunner | None:
     """Capture the decode graphs of a model whose KV cache (``num_blocks`` blocks, then the
     null and scratch blocks) is allocated (None when ``sizes`` is empty: graphs are off). Logs
     the capture time and memory against the reservation the memory plan made."""
@@ -263,6 +265,7 @@ def build_graph_runner(config: EngineConfig, model: torch.nn.Module,
         hidden_size=int(config.model.hf_config.hidden_size), dtype=config.model.dtype,
         device=config.device.device, use_cuda_graphs=True)
     graphs.reserved_bytes = reserved_bytes
+    graphs.kv_quant = kv_quant
     graphs.capture()
     mib = 2**20
     logger.info("CUDA graphs: captured %d decode graphs (batch sizes %s) in %.1f s; they take "

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from pagellm.attention.kv_quant import SCALE_DTYPE, KVQuant, storage_dtype
 from pagellm.config import EngineConfig
 from pagellm.memory_plan import (
     GiB,
@@ -24,11 +25,23 @@ logger = logging.getLogger("pagellm")
 
 def config_kv_bytes_per_token(config: EngineConfig) -> int:
     """KV bytes of one token in one block: every layer's, or with several KV cache groups the
-    ``group_size`` layers a block holds (core/kv_cache_groups.py)."""
+    ``group_size`` layers a block holds (core/kv_cache_groups.py), at --kv-cache-dtype."""
     m = config.model
+    kv_dtype = config.cache.kv_cache_dtype
+    model_bytes = torch.tensor([], dtype=m.dtype).element_size()
     return kv_bytes_per_token(m.kv_cache_layout().num_tensors, m.num_kv_heads, m.head_dim,
-                              torch.tensor([], dtype=m.dtype).element_size(),
-                              config.parallel.tensor_parallel_size)
+                              kv_dtype.element_bytes(model_bytes),
+                              config.parallel.tensor_parallel_size, kv_dtype.scale_bytes())
+
+
+def cache_storage_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the K/V cache tensors at --kv-cache-dtype (``model_dtype`` for auto)."""
+    kind = config.cache.kv_cache_dtype.kind
+    if kind in ("bfloat16", "float16"):
+        return getattr(torch, kind)
+    if config.cache.kv_cache_dtype.quantized:
+        return storage_dtype(kind)
+    return model_dtype
 
 
 def plan_for_device(config: EngineConfig, weight_bytes: int,
@@ -71,7 +84,7 @@ def plan_for_device(config: EngineConfig, weight_bytes: int,
     plan = plan_kv_cache(budget.kv_budget_bytes, per_token, cache.block_size,
                          config.model.max_model_len, cache.num_gpu_blocks_override,
                          request_blocks)
-    log_plan(plan, str(device))
+    log_plan(plan, str(device), cache.cache_dtype)
     from pagellm.planning.report import log_planned_vs_measured
 
     log_planned_vs_measured(config, budget, plan)  # `pagellm plan`'s table, measured beside
@@ -104,9 +117,56 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int, device: torch.devi
     # group shares tensor j (a block id belongs to one group at a time).
     layout = m.kv_cache_layout()
     shape = (layout.num_tensors, 2, num_blocks + 2, config.cache.block_size, heads, m.head_dim)
-    kv = torch.empty(shape, dtype=dtype, device=device)
+    kv = torch.empty(shape, dtype=cache_storage_dtype(config, dtype), device=device)
     kv[:, :, num_blocks:].zero_()
     return [(kv[t, 0], kv[t, 1]) for t in layout.tensor_of_layer]
+
+
+def allocate_kv_quant(config: EngineConfig, num_blocks: int, device: torch.device,
+                      layer_scales: list[tuple[float, float]]) -> list[KVQuant] | None:
+    """Per layer, the KVQuant of an 8-bit --kv-cache-dtype (None for float caches):
+    ``layer_scales`` the per-tensor (k_scale, v_scale) of each layer (fp8), and for
+    int8_per_token_head views of one zeroed bfloat16 ``[tensors, 2, num_blocks + 2,
+    block_size, kv_heads]`` scale tensor, shared by the layers that share a cache tensor.
+    Zeroed, so a slot never written dequantizes to 0 (its int8 values are zeroed with the
+    block, or garbage)."""
+    from pagellm.memory_plan import kv_heads_per_rank
+
+    kv_dtype = config.cache.kv_cache_dtype
+    if not kv_dtype.quantized:
+        return None
+    m = config.model
+    layout = m.kv_cache_layout()
+    scales = None
+    if kv_dtype.per_token_head:
+        heads = kv_heads_per_rank(m.num_kv_heads, config.parallel.tensor_parallel_size)
+        scales = torch.zeros((layout.num_tensors, 2, num_blocks + 2, config.cache.block_size,
+                              heads), dtype=SCALE_DTYPE, device=device)
+    out = []
+    for layer, t in enumerate(layout.tensor_of_layer):
+        k_scale, v_scale = layer_scales[layer] if layer < len(layer_scales) else (1.0, 1.0)
+        out.append(KVQuant(kv_dtype.kind, k_scale, v_scale,
+                           None if scales is None else scales[t, 0],
+                           None if scales is None else scales[t, 1]))
+    return out
+
+
+def layer_kv_scales(model: torch.nn.Module) -> list[tuple[float, float]]:
+    """Each attention layer's per-tensor (k_scale, v_scale), by layer index (1.0 unless the
+    checkpoint carried them: models/kv_scales.py)."""
+    from pagellm.layers.attention import Attention
+
+    layers = sorted((m for m in model.modules() if isinstance(m, Attention)),
+                    key=lambda m: m.layer_idx)
+    return [(float(m.k_scale), float(m.v_scale)) for m in layers]
+
+
+def kv_quant_bytes(kv_quant: list[KVQuant] | None) -> int:
+    """The bytes of the int8 scale tensors ``allocate_kv_quant`` made (0 for fp8 or None)."""
+    if not kv_quant or kv_quant[0].k_scales is None:
+        return 0
+    base = kv_quant[0].k_scales._base
+    return base.numel() * base.element_size() if base is not None else 0
 
 
 def kv_cache_base(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:

@@ -30,7 +30,13 @@ from pagellm.worker.cuda_graphs import (
 )
 from pagellm.worker.flat_batch import flat_positions, paged_attention_metadata
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
-from pagellm.worker.kv_cache import allocate_kv_caches, kv_cache_base, plan_for_device
+from pagellm.worker.kv_cache import (
+    allocate_kv_caches,
+    allocate_kv_quant,
+    kv_cache_base,
+    layer_kv_scales,
+    plan_for_device,
+)
 from pagellm.worker.prompt_logprobs import (
     PromptLogprobsPlan,
     compute_prompt_logprobs,
@@ -110,6 +116,8 @@ class ModelRunner:
                                              self.tp_rank, self.tp_size)
                             if config.speculative_config is not None else None)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Per layer, the scales of an 8-bit --kv-cache-dtype (attention/kv_quant.py); None else.
+        self.kv_quant: list | None = None
         self.num_blocks = 0
         self.graph_runner: GraphRunner | None = None  # decode CUDA graphs (initialize_kv_cache)
         self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 KV cache and weights freed
@@ -151,6 +159,8 @@ class ModelRunner:
                 plan = dataclasses.replace(plan, num_blocks=agreed)
         start = time.perf_counter()
         self.kv_caches = allocate_kv_caches(self.config, plan.num_blocks, self.device, self.dtype)
+        self.kv_quant = allocate_kv_quant(self.config, plan.num_blocks, self.device,
+                                          layer_kv_scales(self.model))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         kv_seconds = time.perf_counter() - start
@@ -171,7 +181,7 @@ class ModelRunner:
         hold its addresses."""
         sizes, reserved = self._graph_plan
         self.graph_runner = build_graph_runner(self.config, self.model, self.kv_caches,
-                                               self.num_blocks, sizes, reserved)
+                                               self.num_blocks, sizes, reserved, self.kv_quant)
 
     def sleep(self, level: int) -> int:
         """Free the KV cache (and at level 2 the weights); see worker/sleep.py."""
@@ -399,7 +409,7 @@ class ModelRunner:
         meta = inputs.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(meta):
             return self.graph_runner.run(inputs.input_ids, inputs.positions, meta)
-        with set_forward_context(meta, self.kv_caches):
+        with set_forward_context(meta, self.kv_caches, self.kv_quant):
             return self.model(inputs.input_ids, inputs.positions)
 
     def _sample_and_append(self, hidden: torch.Tensor, inputs: PreparedInputs,

@@ -10,6 +10,7 @@ from pagellm.attention.backend import Workspace
 from pagellm.config import ModelConfig
 from pagellm.core.kv_cache_groups import KVCacheLayout
 from pagellm.layers.attention import Attention
+from pagellm.layers.fused_moe import prepack_experts_for_cpu
 from pagellm.layers.linear import prepack_linears_for_cpu
 from pagellm.models.llama_cpu_fused import enable_fused_cpu_forward
 
@@ -27,6 +28,7 @@ def load_runner_model(model_config: ModelConfig, device: torch.device, attention
     bind_attention_backends(model, attention_backend, device)
     assign_kv_cache_groups(model, layout)
     prepack_linears_for_cpu(model)
+    prepack_experts_for_cpu(model)
     enable_fused_cpu_forward(model)
     return model
 

@@ -22,7 +22,13 @@ from typing import Any
 import torch
 
 from pagellm.models.llama_cpu_fused import enable_fused_cpu_forward
-from pagellm.worker.kv_cache import allocate_kv_caches, kv_cache_bytes
+from pagellm.worker.kv_cache import (
+    allocate_kv_caches,
+    allocate_kv_quant,
+    kv_cache_bytes,
+    kv_quant_bytes,
+    layer_kv_scales,
+)
 
 logger = logging.getLogger("pagellm")
 
@@ -55,8 +61,9 @@ def sleep_runner(runner: ModelRunner, level: int) -> int:
         return 0
     freed = 0
     runner.graph_runner = None  # captured against the KV cache and weights' addresses
-    freed += kv_cache_bytes(runner.kv_caches)
+    freed += kv_cache_bytes(runner.kv_caches) + kv_quant_bytes(runner.kv_quant)
     runner.kv_caches = []
+    runner.kv_quant = None
     if runner.spec_decode is not None:
         freed += runner.spec_decode.sleep(level)  # a draft model's cache and weights
     if level == 2 and runner.model is not None:
@@ -84,6 +91,8 @@ def wake_runner(runner: ModelRunner) -> int:
         runner.model = runner.load_model()
     runner.kv_caches = allocate_kv_caches(runner.config, runner.num_blocks, runner.device,
                                           runner.dtype)
+    runner.kv_quant = allocate_kv_quant(runner.config, runner.num_blocks, runner.device,
+                                        layer_kv_scales(runner.model))
     enable_fused_cpu_forward(runner.model)
     if runner.spec_decode is not None:
         runner.spec_decode.wake_up()
