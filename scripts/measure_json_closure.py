@@ -239,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-max-tokens", type=int, default=60)
     ap.add_argument("--modes", default="unbounded,default",
                     help="comma-separated: unbounded, default, compact, cap=N")
+    ap.add_argument("--sections", default="json_schema,tool",
+                    help="comma-separated: json_schema, tool (a server without a tool parser, "
+                         "e.g. vLLM's default, refuses named tool_choice)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--json-out", default=None, help="write every answer here")
     args = ap.parse_args(argv)
@@ -252,14 +255,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.max_tokens}; tool: {len(TOOLS)} tools x 2 prompts, tool_choice named, "
           f"max_tokens {args.tool_max_tokens}; temperature 0", flush=True)
     answers: list[Answer] = []
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    assert set(sections) <= {"json_schema", "tool"}, sections
     for mode in modes:  # one mode at a time: its lines print as soon as it is done
-        jobs = [(run_schema_case, (mode, name, schema, p, args.max_tokens))
-                for name, schema, prompts in SCHEMAS for p in prompts]
-        jobs += [(run_tool_case, (mode, name, description, params, p, args.tool_max_tokens))
-                 for name, description, params, prompts in TOOLS for p in prompts]
+        jobs = []
+        if "json_schema" in sections:
+            jobs += [(run_schema_case, (mode, name, schema, p, args.max_tokens))
+                     for name, schema, prompts in SCHEMAS for p in prompts]
+        if "tool" in sections:
+            jobs += [(run_tool_case, (mode, name, description, params, p,
+                                      args.tool_max_tokens))
+                     for name, description, params, prompts in TOOLS for p in prompts]
         with ThreadPoolExecutor(args.concurrency) as pool:
             answers += pool.map(lambda job: job[0](client, model, *job[1]), jobs)
-        for section in ("json_schema", "tool"):
+        for section in sections:
             print(summarize(answers, section, mode), flush=True)
         if args.json_out:
             with open(args.json_out, "w") as f:

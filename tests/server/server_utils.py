@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -11,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -22,15 +24,36 @@ TINY_ARGS = ["--dtype", "float32", "--kv-cache-memory", "512MiB", "--max-model-l
 START_TIMEOUT_S = 600.0
 SERVE_MODULE = ("pagellm.entrypoints.openai.cli_serve",)
 PAGELLM_SERVE = ("pagellm.entrypoints.cli", "serve")  # the `pagellm serve` command itself
+# One server for every test file of the tool and reasoning parsers' flags (the session fixture
+# ``tools_server`` of conftest.py): a tiny llama of 2048 positions, the hermes tool parser, the
+# deepseek_r1 reasoning parser, chatml_tools and two API keys (two tenants).
+TOOLS_KEY, TOOLS_KEY_B = "sk-tools-a-0123456789", "sk-tools-b-9876543210"
+TOOLS_ARGS = ["--served-model-name", "m", "--dtype", "float32", "--max-model-len", "2048",
+              "--kv-cache-memory", "16MiB", "--api-key", TOOLS_KEY, "--api-key", TOOLS_KEY_B,
+              "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+              "--reasoning-parser", "deepseek_r1", "--chat-template", "chatml_tools"]
+# A tenant key and an admin key over the session's tiny llama (the session fixture
+# ``admin_server`` adds --allowed-weights-path; test_sleep_routes adds --enable-sleep-mode).
+ADMIN_TENANT_KEY, ADMIN_KEY = "rl-key", "rl-admin-key"
+ADMIN_ARGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256",
+              "--api-key", ADMIN_TENANT_KEY, "--admin-api-key", ADMIN_KEY,
+              "--enable-prefix-caching"]
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
 
 
 def serve_tiny_llama(tmp_path_factory, make_tiny_model, name: str, args: list[str],
-                     **config) -> Iterator[ServerProcess]:
+                     api_key: str | None = None, **config) -> Iterator[ServerProcess]:
     """A server of a fresh tiny llama (``config``: its config overrides) in a temporary folder
-    ``name``, stopped when the generator closes: a module fixture's body (``yield from``)."""
+    ``name``, stopped when the generator closes: a module fixture's body (``yield from``).
+    ``api_key``: the key ``post`` and ``sse_events`` send unless told otherwise."""
     root = tmp_path_factory.mktemp(name)
     model = make_tiny_model(root / "model", "llama", **config)
     srv = ServerProcess([str(model), *args], root / "server.log")
+    if api_key is not None:
+        srv.headers = bearer(api_key)
     try:
         yield srv
     finally:
@@ -43,6 +66,7 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.headers: dict[str, str] = {}  # what post() and sse_events() send by default
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         cmd = [sys.executable, "-m", *command, *args,
@@ -90,6 +114,30 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def post(server: ServerProcess, path: str, body: dict, headers: dict | None = None,
+         timeout: float = 120) -> httpx.Response:
+    """POST ``body`` as JSON, with the server's default headers unless ``headers`` is given."""
+    return httpx.post(f"{server.base_url}{path}", json=body,
+                      headers=server.headers if headers is None else headers, timeout=timeout)
+
+
+def ok(r: httpx.Response) -> Any:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sse_events(server: ServerProcess, path: str, body: dict,
+               headers: dict | None = None) -> list[dict]:
+    """The data events of a streamed POST (an event stream ending in ``[DONE]``), parsed."""
+    with httpx.stream("POST", f"{server.base_url}{path}", json=body, timeout=120,
+                      headers=server.headers if headers is None else headers) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
 
 
 def pid_alive(pid: int) -> bool:

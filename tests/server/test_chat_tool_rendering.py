@@ -78,3 +78,15 @@ def test_arguments_that_are_not_json_are_a_400(renderer):
     with pytest.raises(OpenAIError) as e:
         render_text(renderer, bad, [TOOL])
     assert e.value.param == "messages" and "messages[2].tool_calls[0]" in e.value.message
+
+
+def test_an_assistant_turn_s_reasoning_content_reaches_the_template():
+    from tiny_tokenizer import build_test_tokenizer
+
+    template = ("{% for m in messages %}{{ m.role }}:{{ m.reasoning_content or '-' }}:"
+                "{{ m.content }};{% endfor %}")
+    renderer = ChatRenderer(build_test_tokenizer(), template)
+    text = render_text(renderer, [
+        {"role": "user", "content": "Hi", "reasoning_content": "not an assistant's"},
+        {"role": "assistant", "content": "Hello", "reasoning_content": "greet back"}])
+    assert text == "user:-:Hi;assistant:greet back:Hello;"

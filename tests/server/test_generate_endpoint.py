@@ -8,11 +8,10 @@ the tenant's cache namespace and the router gate apply as for /v1/completions.""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
-from server_utils import serve_tiny_llama
+from server_utils import bearer, ok, post, serve_tiny_llama, sse_events
 
 from pagellm.entrypoints.router_gate import RouterGate
 
@@ -21,7 +20,7 @@ MAX_MODEL_LEN = 256
 ARGS = ["--served-model-name", "m", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
         "--kv-cache-memory", "16MiB", "--chat-template", "chatml_tools", "--api-key", KEY,
         "--api-key", KEY_B, "--enable-prefix-caching", "--enable-prompt-tokens-details"]
-AUTH, AUTH_B = ({"Authorization": f"Bearer {k}"} for k in (KEY, KEY_B))
+AUTH, AUTH_B = bearer(KEY), bearer(KEY_B)
 PATH = "/inference/v1/generate"
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -32,17 +31,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."},
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, make_tiny_model):
     yield from serve_tiny_llama(tmp_path_factory, make_tiny_model, "generate", ARGS,
-                                max_position_embeddings=MAX_MODEL_LEN)
-
-
-def post(server, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
-    return httpx.post(f"{server.base_url}{path}", json=body,
-                      headers=AUTH if headers is None else headers, timeout=120)
-
-
-def ok(r: httpx.Response) -> dict:
-    assert r.status_code == 200, r.text
-    return r.json()
+                                api_key=KEY, max_position_embeddings=MAX_MODEL_LEN)
 
 
 def generate(server, token_ids: list[int], headers: dict | None = None, **params) -> dict:
@@ -52,16 +41,6 @@ def generate(server, token_ids: list[int], headers: dict | None = None, **params
 def completion(server, prompt: list[int], **fields) -> dict:
     return ok(post(server, "/v1/completions", {"prompt": prompt, "return_token_ids": True,
                                                **fields}))
-
-
-def events(server, body: dict, headers: dict | None = None) -> list[dict]:
-    with httpx.stream("POST", f"{server.base_url}{PATH}", json=body,
-                      headers=AUTH if headers is None else headers, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        assert r.headers["content-type"].startswith("text/event-stream")
-        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
 
 
 def test_greedy_generate_is_the_completion_of_the_same_ids(server):
@@ -111,7 +90,7 @@ def test_streamed_chunks_join_to_the_answer(server):
     body = {"request_id": "s-1", "token_ids": PROMPT, "sampling_params": params,
             "stream": True, "stream_options": {"include_usage": True,
                                                "continuous_usage_stats": True}}
-    chunks = events(server, body)
+    chunks = sse_events(server, PATH, body)
     *parts, last = chunks
     assert last == {"request_id": "s-1", "choices": [],
                     "usage": {"prompt_tokens": len(PROMPT), "completion_tokens": 20,
@@ -128,7 +107,7 @@ def test_streamed_chunks_join_to_the_answer(server):
                                            else None)
     by_index = {c["index"]: c["token_ids"] for c in whole["choices"]}
     assert joined == by_index
-    plain = events(server, {**body, "stream_options": None})
+    plain = sse_events(server, PATH, {**body, "stream_options": None})
     assert all(chunk["usage"] is None and chunk["choices"] for chunk in plain)
 
 
@@ -255,10 +234,9 @@ def test_generate_is_behind_the_api_key(server):
 
 
 def cached_tokens(server, token_ids: list[int], headers: dict, **fields) -> int:
-    (last,) = [c for c in events(server, {"token_ids": token_ids, "stream": True,
-                                          "stream_options": {"include_usage": True},
-                                          "sampling_params": {"max_tokens": 1}, **fields},
-                                 headers) if not c["choices"]]
+    (last,) = [c for c in sse_events(server, PATH, {
+        "token_ids": token_ids, "stream": True, "stream_options": {"include_usage": True},
+        "sampling_params": {"max_tokens": 1}, **fields}, headers) if not c["choices"]]
     return last["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 

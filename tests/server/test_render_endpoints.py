@@ -1,5 +1,6 @@
-"""vLLM's render endpoints and return_token_ids on a real ``pagellm serve`` (tiny random llama,
---chat-template chatml_tools, hermes tool parser, an API key): the ids a render answers with are
+"""vLLM's render endpoints and return_token_ids on a real ``pagellm serve`` (the shared
+``tools_server``: tiny random llama, --chat-template chatml_tools, hermes tool parser, API keys):
+the ids a render answers with are
 the ids /tokenize gives, the ids the real request runs on (its usage and its return_token_ids),
 and for tools the ids of the template applied locally; a bad body gets the real endpoint's error;
 return_token_ids' ids, fed back as a token prompt, continue the same greedy sequence."""
@@ -8,20 +9,14 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
-from server_utils import serve_tiny_llama
+from server_utils import TOOLS_ARGS, TOOLS_KEY, ok, post, sse_events
 from tiny_tokenizer import build_test_tokenizer
 
 from pagellm.entrypoints.openai.serving_chat import load_chat_template
 
-KEY = "sk-render-test"
-MAX_MODEL_LEN = 2048
-ARGS = ["--served-model-name", "m", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-        "--kv-cache-memory", "16MiB", "--enable-auto-tool-choice", "--tool-call-parser",
-        "hermes", "--chat-template", "chatml_tools", "--api-key", KEY]
-AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_MODEL_LEN = int(TOOLS_ARGS[TOOLS_ARGS.index("--max-model-len") + 1])
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -32,32 +27,12 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, make_tiny_model):
-    yield from serve_tiny_llama(tmp_path_factory, make_tiny_model, "render", ARGS,
-                                max_position_embeddings=MAX_MODEL_LEN)
-
-
-def post(server, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
-    return httpx.post(f"{server.base_url}{path}", json=body,
-                      headers=AUTH if headers is None else headers, timeout=120)
-
-
-def ok(r: httpx.Response) -> object:
-    assert r.status_code == 200, r.text
-    return r.json()
+def server(tools_server):
+    return tools_server
 
 
 def tokenize(server, **body) -> list[int]:
     return ok(post(server, "/tokenize", {"model": "m", **body}))["tokens"]
-
-
-def sse_events(server, path: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", f"{server.base_url}{path}", json=body, headers=AUTH,
-                      timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
 
 
 def test_completion_render_is_the_prompt_the_request_runs_on(server):
@@ -171,7 +146,7 @@ def test_render_is_behind_the_api_key(server):
 
 
 def test_completion_token_ids_continue_the_sequence(server):
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0)
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=TOOLS_KEY, max_retries=0)
     first = client.completions.create(model="m", prompt="Once upon a time", max_tokens=8,
                                       extra_body={**GREEDY, "return_token_ids": True})
     choice = first.model_dump()["choices"][0]

@@ -14,15 +14,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_utils import drained, serve_tiny_llama, wait_until
+from pydantic import BaseModel
+from server_utils import TOOLS_KEY, TOOLS_KEY_B, drained, wait_until
 
 from pagellm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 
-KEY_A, KEY_B = "sk-responses-a-0123456789", "sk-responses-b-9876543210"
-ARGS = ["--served-model-name", "m", "--dtype", "float32", "--max-model-len", "2048",
-        "--kv-cache-memory", "16MiB", "--api-key", KEY_A, "--api-key", KEY_B,
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        "--reasoning-parser", "deepseek_r1", "--chat-template", "chatml_tools"]
+KEY_A, KEY_B = TOOLS_KEY, TOOLS_KEY_B  # the shared tools_server's two tenants
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {
                "city": {"type": "string", "enum": ["Paris", "Rome"]},
@@ -37,9 +34,8 @@ JSON_FORMAT = {"format": {"type": "json_schema", "name": "city", "schema": CITY_
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, make_tiny_model):
-    yield from serve_tiny_llama(tmp_path_factory, make_tiny_model, "responses", ARGS,
-                                max_position_embeddings=2048)
+def server(tools_server):
+    return tools_server
 
 
 def make_client(server, key: str = KEY_A) -> openai.OpenAI:
@@ -251,7 +247,7 @@ def test_get_delete_cancel_and_tenants(server, client):
 
 @pytest.mark.parametrize("kwargs, param", [
     ({"background": True}, "background"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
     ({"truncation": "auto"}, "truncation"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
@@ -270,10 +266,24 @@ def test_limits_are_the_chat_endpoint_s(client):
     assert error_of(e.value)["param"] == "max_output_tokens"
 
 
-def test_openai_agents_sdk_runs_a_tool(server):
+class WeatherReport(BaseModel):
+    city: Literal["Paris", "Rome"]
+    sunny: bool
+
+
+def test_openai_agents_sdk_runs_a_tool_and_answers(server):
+    """A whole agent run: the forced call, the tool, the function_call_output sent back in a
+    second request, and a final output. The SDK resets tool_choice to auto after a call
+    (reset_tool_choice); the final answer is the agent's output_type, i.e. text.format
+    json_schema, which a random model can end (a free answer would run to max_tokens, and the
+    SDK fails an incomplete response)."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     ran: list[str] = []
+    sent: list[dict] = []
+
+    async def record(request: httpx.Request) -> None:
+        sent.append({"path": request.url.path, "body": json.loads(request.content)})
 
     @agents.function_tool
     def get_weather(city: Literal["Paris", "Rome"]) -> str:
@@ -281,23 +291,27 @@ def test_openai_agents_sdk_runs_a_tool(server):
         ran.append(city)
         return f"Sunny in {city}."
 
-    model = agents.OpenAIResponsesModel(
-        model="m", openai_client=openai.AsyncOpenAI(base_url=f"{server.base_url}/v1",
-                                                    api_key=KEY_A, max_retries=0))
-    # stop_on_first_tool: the tool's result ends the run. (A second model turn would be
-    # tool_choice auto with the SDK's strict tools, a free answer that the random model runs
-    # to max_tokens, and the SDK fails an incomplete response.)
+    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=KEY_A, max_retries=0,
+                                http_client=httpx.AsyncClient(event_hooks={"request": [record]}))
+    model = agents.OpenAIResponsesModel(model="m", openai_client=client)
     agent = agents.Agent(name="weather", instructions="Use the tool.", tools=[get_weather],
-                         model=model, tool_use_behavior="stop_on_first_tool",
+                         model=model, output_type=WeatherReport,
                          model_settings=agents.ModelSettings(
                              tool_choice="get_weather", max_tokens=200, temperature=0))
     result = asyncio.run(agents.Runner.run(agent, "Weather in Paris?", max_turns=3))
-    assert ran and ran[0] in ("Paris", "Rome")
+    assert ran and ran[0] in ("Paris", "Rome")  # the tool ran, with schema-valid arguments
     kinds = [item.type for item in result.new_items]
-    assert kinds == ["tool_call_item", "tool_call_output_item"], kinds
-    assert result.final_output == f"Sunny in {ran[0]}."
-    (raw,) = result.raw_responses
-    assert raw.response_id.startswith("resp_")
+    assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"], kinds
+    assert isinstance(result.final_output, WeatherReport)
+    assert [r["path"] for r in sent] == ["/v1/responses", "/v1/responses"]
+    first, second = (r["body"] for r in sent)
+    assert first["tool_choice"] == {"type": "function", "name": "get_weather"}
+    (output,) = [i for i in second["input"] if i.get("type") == "function_call_output"]
+    (call,) = [i for i in second["input"] if i.get("type") == "function_call"]
+    assert output["call_id"] == call["call_id"] and output["output"] == f"Sunny in {ran[0]}."
+    assert second["text"]["format"]["type"] == "json_schema"
+    assert len(result.raw_responses) == 2
+    assert all(r.response_id.startswith("resp_") for r in result.raw_responses)
 
 
 class FakeClock:

@@ -12,7 +12,7 @@ import threading
 
 import httpx
 import pytest
-from server_utils import PAGELLM_SERVE, REPO, TINY_ARGS, ServerProcess, pid_alive, wait_until
+from server_utils import PAGELLM_SERVE, REPO, ServerProcess, pid_alive, wait_until
 
 from pagellm.entrypoints.cli_args import engine_args_from
 from pagellm.entrypoints.openai.cli_serve import add_serve_parser
@@ -68,19 +68,21 @@ def test_a_taken_port_fails_before_the_model_loads(tiny_model_dir):
     assert "[engine]" not in r.stderr  # nothing loaded
 
 
-# SIGTERM to the server (systemd, docker stop) with the default model, which is slow enough on a
-# CPU that the request is surely still running; Ctrl-C (SIGINT to the whole process group) and
-# kill -9 with a tiny random model, which starts faster.
-@pytest.mark.parametrize(("sig", "group", "tiny"), [(signal.SIGTERM, False, False),
-                                                    (signal.SIGINT, True, True),
-                                                    (signal.SIGKILL, False, True)],
+@pytest.fixture(scope="module")
+def long_context_llama(tmp_path_factory, make_tiny_model):
+    return make_tiny_model(tmp_path_factory.mktemp("lifecycle-model"), "llama",
+                           max_position_embeddings=4096)
+
+
+# SIGTERM to the server (systemd, docker stop), Ctrl-C (SIGINT to the whole process group) and
+# kill -9, with a tiny random model (it starts fast) of 4096 positions: the request, as long as
+# the context, is surely still running when the signal comes.
+@pytest.mark.parametrize(("sig", "group"), [(signal.SIGTERM, False), (signal.SIGINT, True),
+                                            (signal.SIGKILL, False)],
                          ids=["sigterm", "ctrl-c", "kill-9"])
-def test_signal_shuts_down_cleanly_mid_request(request, tmp_path, sig, group, tiny):
-    model_args = TINY_ARGS
-    if tiny:
-        model_dir = request.getfixturevalue("tiny_llama_dir")
-        model_args = [str(model_dir), "--dtype", "float32", "--kv-cache-memory", "64MiB",
-                      "--max-model-len", "256"]
+def test_signal_shuts_down_cleanly_mid_request(long_context_llama, tmp_path, sig, group):
+    model_args = [str(long_context_llama), "--dtype", "float32", "--kv-cache-memory", "64MiB",
+                  "--max-model-len", "4096"]
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
     srv = ServerProcess([*model_args, "--disable-log-stats", "--enable-log-requests",

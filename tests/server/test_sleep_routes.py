@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_utils import ServerProcess
+from server_utils import ADMIN_ARGS, ADMIN_KEY, ADMIN_TENANT_KEY, ServerProcess
 
-API_KEY = "sleep-key"
-ADMIN_KEY = "sleep-admin-key"
+API_KEY = ADMIN_TENANT_KEY
 PROMPT = [5, 17, 42, 99, 7, 64, 23, 11]
 
 
@@ -26,17 +25,10 @@ def complete(server) -> httpx.Response:
                 key=API_KEY)
 
 
-def start(tmp_path_factory, model_dir, *extra: str) -> ServerProcess:
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    return ServerProcess(["--model", str(model_dir), "--dtype", "float32",
-                          "--kv-cache-memory", "16MiB", "--max-model-len", "256",
-                          "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
-                          "--enable-prefix-caching", *extra], log)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_llama_dir):
-    srv = start(tmp_path_factory, tiny_llama_dir, "--enable-sleep-mode")
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = ServerProcess(["--model", str(tiny_llama_dir), *ADMIN_ARGS, "--enable-sleep-mode"], log)
     yield srv
     srv.stop()
 
@@ -76,11 +68,8 @@ def test_needs_an_admin_key(server, method, path) -> None:
     assert call(server, "GET", "/is_sleeping").json() == {"is_sleeping": False}
 
 
-def test_no_routes_without_the_flag(tmp_path_factory, tiny_llama_dir) -> None:
-    srv = start(tmp_path_factory, tiny_llama_dir)
-    try:
-        for method, path in [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")]:
-            assert call(srv, method, path).status_code == 404
-        assert complete(srv).status_code == 200
-    finally:
-        srv.stop()
+def test_no_routes_without_the_flag(admin_server) -> None:
+    """The same flags and keys without --enable-sleep-mode (the shared admin_server)."""
+    for method, path in [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")]:
+        assert call(admin_server, method, path).status_code == 404
+    assert complete(admin_server).status_code == 200

@@ -10,15 +10,11 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import jsonschema
 import openai
 import pytest
-from server_utils import serve_tiny_llama
+from server_utils import TOOLS_KEY, post
 
-ARGS = ["--served-model-name", "m", "--dtype", "float32", "--max-model-len", "2048",
-        "--kv-cache-memory", "16MiB", "--enable-auto-tool-choice", "--tool-call-parser",
-        "hermes", "--chat-template", "chatml_tools", "--reasoning-parser", "deepseek_r1"]
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
     "days": {"type": "integer", "minimum": 1, "maximum": 7},
@@ -35,14 +31,13 @@ END = "}\n</tool_call>"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, make_tiny_model):
-    yield from serve_tiny_llama(tmp_path_factory, make_tiny_model, "structural_tag", ARGS,
-                                max_position_embeddings=2048)
+def server(tools_server):
+    return tools_server  # TOOLS_ARGS: hermes, deepseek_r1, chatml_tools, 2048 positions
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=TOOLS_KEY, max_retries=0,
                          timeout=120)
 
 
@@ -149,7 +144,7 @@ def test_strict_auto_is_free_text_read_with_the_reasoning_parser(client):
     ({"type": "structural_tag", "triggers": ["<a"]}, "structural_tag"),
 ])
 def test_bad_structural_tags_are_a_400_naming_the_field(server, fmt, needle):
-    resp = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+    resp = post(server, "/v1/chat/completions", {
         "model": "m", "messages": MESSAGES, "max_tokens": 4, "response_format": fmt})
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]

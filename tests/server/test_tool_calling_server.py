@@ -1,23 +1,18 @@
 """Tool calling, structured output and reasoning over HTTP on a real ``pagellm serve`` with a tiny
 random-weight model (its words are noise; the constraints decide what matters) and the openai
-SDK as the client. The server runs --enable-auto-tool-choice --tool-call-parser hermes
---reasoning-parser deepseek_r1 --chat-template chatml_tools."""
+SDK as the client. The server (the shared ``tools_server``) runs --enable-auto-tool-choice
+--tool-call-parser hermes --reasoning-parser deepseek_r1 --chat-template chatml_tools."""
 
 from __future__ import annotations
 
 import json
 import re
 
-import httpx
 import jsonschema
 import openai
 import pytest
-from server_utils import serve_tiny_llama
+from server_utils import TOOLS_KEY, post
 
-ARGS = ["--served-model-name", "m", "--dtype", "float32", "--max-model-len", "2048",
-        "--kv-cache-memory", "16MiB",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        "--reasoning-parser", "deepseek_r1", "--chat-template", "chatml_tools"]
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {
@@ -35,20 +30,14 @@ CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|R
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, make_tiny_model):
-    # The test tokenizer is small: a prompt with tools is some 800 of its tokens.
-    yield from serve_tiny_llama(tmp_path_factory, make_tiny_model, "tools", ARGS,
-                                max_position_embeddings=2048)
+def server(tools_server):
+    return tools_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=TOOLS_KEY, max_retries=0,
                          timeout=120)
-
-
-def post(server, path, body):
-    return httpx.post(f"{server.base_url}{path}", json=body, timeout=120)
 
 
 def assemble_stream(chunks):

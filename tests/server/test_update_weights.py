@@ -10,13 +10,12 @@ import threading
 
 import httpx
 import pytest
-from server_utils import ServerProcess
+from server_utils import ADMIN_KEY, ADMIN_TENANT_KEY
 from weight_update_utils import perturbed_model
 
 from pagellm import LLM, SamplingParams
 
-API_KEY = "rl-key"
-ADMIN_KEY = "rl-admin-key"
+API_KEY = ADMIN_TENANT_KEY
 PROMPT = [5, 17, 42, 99, 7, 64, 23, 11]
 
 
@@ -33,19 +32,13 @@ def complete(server, max_tokens=8) -> dict:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("checkpoints")  # --allowed-weights-path
+def root(admin_weights_root):
+    return admin_weights_root  # the server's --allowed-weights-path
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_llama_dir, root):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = ServerProcess(["--model", str(tiny_llama_dir), "--dtype", "float32",
-                         "--kv-cache-memory", "16MiB", "--max-model-len", "256",
-                         "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
-                         "--allowed-weights-path", str(root), "--enable-prefix-caching"], log)
-    yield srv
-    srv.stop()
+def server(admin_server):
+    return admin_server  # ADMIN_ARGS (prefix caching, 256 positions, 16MiB) on tiny_llama_dir
 
 
 def test_update_weights_from_disk(server, tiny_llama_dir, root) -> None:

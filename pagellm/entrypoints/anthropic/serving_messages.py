@@ -26,14 +26,11 @@ from pagellm.entrypoints.anthropic.translate import (
     stop_reason,
     usage,
 )
-from pagellm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    ChatResponseMessage,
-    DeltaMessage,
-)
+from pagellm.entrypoints.openai.chat_output import stream_reader
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatResponseMessage
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat, RenderedChat
-from pagellm.entrypoints.openai.serving_engine import final_outputs, merge_streams
 from pagellm.entrypoints.openai.serving_errors import bad_request
+from pagellm.entrypoints.openai.streams import final_outputs, merge_streams
 from pagellm.entrypoints.openai.structured_request import constraint_errors
 
 if TYPE_CHECKING:
@@ -107,7 +104,7 @@ class AnthropicServingMessages:
                       stream: RequestStream, trace: RequestTrace | None
                       ) -> AsyncIterator[str]:
         num_prompt = len(stream.prompt_token_ids)
-        deltas = rendered.reading.choice_deltas() if rendered.reading else None
+        deltas = stream_reader(rendered.reading)
         blocks = BlockEvents()
         num_output, num_cached = 0, 0
         finish: str | None = None
@@ -122,10 +119,7 @@ class AnthropicServingMessages:
                 c = out.outputs[0]
                 num_output += len(c.token_ids)
                 num_cached = out.num_cached_tokens
-                if deltas is not None:
-                    delta, c_finish = deltas.feed(c.text, c.finish_reason)
-                else:
-                    delta, c_finish = DeltaMessage(content=c.text), c.finish_reason
+                delta, c_finish = deltas.feed(c.text, c.finish_reason)
                 if delta is not None:
                     for e in blocks.feed(delta):
                         yield e

@@ -91,3 +91,15 @@ class ChatReading:
 
     def choice_deltas(self) -> ChoiceDeltas:
         return ChoiceDeltas(self.tool_parser, self.max_calls, self.reasoning_parser)
+
+
+class PlainDeltas:
+    """One streamed choice without parsers: each piece of text is the content it adds."""
+
+    def feed(self, text: str, finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
+        return DeltaMessage(content=text), finish_reason
+
+
+def stream_reader(reading: ChatReading | None) -> ChoiceDeltas | PlainDeltas:
+    """The reader of one streamed choice: the request's parsers (a fresh state), or plain."""
+    return reading.choice_deltas() if reading else PlainDeltas()

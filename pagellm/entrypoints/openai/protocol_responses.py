@@ -15,6 +15,13 @@ from pagellm.entrypoints.openai.protocol import HARMLESS_FIELDS, unsupported
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+# client_metadata (Codex's request attribution: session, thread and turn ids, and a JSON blob of
+# turn metadata) goes to the request's trace span; its bounds are looser than metadata's.
+MAX_CLIENT_METADATA_KEYS = 32
+MAX_CLIENT_METADATA_VALUE_CHARS = 8192
+MAX_PROMPT_CACHE_KEY_CHARS = 1024
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+INCLUDABLE = (ENCRYPTED_REASONING,)
 
 
 @dataclass(frozen=True)
@@ -62,15 +69,41 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     stream: bool | None = False
     cache_salt: str | None = None  # vLLM's; the tenant's namespace is added (api_server)
+    # Echoed in the response and put on the request's trace span, as client_metadata is. One
+    # engine has one prefix cache, which every request of a tenant already shares.
+    prompt_cache_key: str | None = None
+    client_metadata: dict[str, str] | None = None
 
     @field_validator("include")
     @classmethod
     def _include(cls, include: list[str] | None) -> list[str] | None:
-        # reasoning.encrypted_content (stateless reasoning) and output logprobs need what this
-        # server does not have; nothing else in OpenAI's list applies to a function-only model.
-        if include:
-            raise unsupported("include", f"extra output ({include[0]!r})")
+        # Output logprobs are not made here; nothing else in OpenAI's list applies to a
+        # function-only model.
+        for name in include or []:
+            if name not in INCLUDABLE:
+                raise unsupported("include", f"extra output ({name!r}; it has "
+                                  f"{', '.join(INCLUDABLE)})")
         return include
+
+    @field_validator("client_metadata")
+    @classmethod
+    def _client_metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        if metadata is not None and (
+                len(metadata) > MAX_CLIENT_METADATA_KEYS
+                or any(len(k) > MAX_METADATA_KEY_CHARS for k in metadata)
+                or any(len(v) > MAX_CLIENT_METADATA_VALUE_CHARS for v in metadata.values())):
+            raise ValueError(f"client_metadata may have at most {MAX_CLIENT_METADATA_KEYS} "
+                             f"keys of at most {MAX_METADATA_KEY_CHARS} characters and values "
+                             f"of at most {MAX_CLIENT_METADATA_VALUE_CHARS}.")
+        return metadata
+
+    @field_validator("prompt_cache_key")
+    @classmethod
+    def _prompt_cache_key(cls, key: str | None) -> str | None:
+        if key is not None and not 0 < len(key) <= MAX_PROMPT_CACHE_KEY_CHARS:
+            raise ValueError("prompt_cache_key must be a non-empty string of at most "
+                             f"{MAX_PROMPT_CACHE_KEY_CHARS} characters.")
+        return key
 
     @field_validator("metadata")
     @classmethod
@@ -107,3 +140,8 @@ class ResponsesRequest(BaseModel):
     @property
     def stored(self) -> bool:
         return self.store is not False
+
+    @property
+    def seals_reasoning(self) -> bool:
+        """include reasoning.encrypted_content: reasoning items carry it."""
+        return ENCRYPTED_REASONING in (self.include or [])

@@ -5,6 +5,7 @@ endpoint's render then makes every check and the prompt (one path for both endpo
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -50,22 +51,64 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def input_messages(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+# An encrypted_content -> the reasoning it carries, None when this server did not seal it for
+# the caller (responses_sealing.py).
+Unseal = Callable[[str], str | None]
+
+
+def reasoning_text(item: dict[str, Any], where: str, unseal: Unseal | None) -> str:
+    """A reasoning item's text: its encrypted_content's (checked), else its content's, else its
+    summary's."""
+    sealed = item.get("encrypted_content")
+    if sealed is not None:
+        text = unseal(sealed) if unseal is not None and isinstance(sealed, str) else None
+        if text is None:
+            raise bad_request(f"{where}.encrypted_content was not made by this server for this "
+                              "API key: it is altered, another key's, or from before the "
+                              "server restarted.", f"{where}.encrypted_content")
+        return text
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        if not isinstance(parts, list) or not all(
+                isinstance(p, dict) and p.get("type") == part_type
+                and isinstance(p.get("text"), str) for p in parts):
+            raise bad_request(f"{where}.{key} must be a list of {part_type} parts.", "input")
+        if parts:
+            return "\n".join(p["text"] for p in parts)
+    return ""
+
+
+def input_messages(input_: str | list[dict[str, Any]], unseal: Unseal | None = None
+                   ) -> list[dict[str, Any]]:
     """``input`` as chat messages: consecutive function_call items become one assistant message
     (joined to the assistant text before them), function_call_output items tool messages.
-    Reasoning items are accepted and left out of the prompt: chat templates drop earlier
-    turns' thinking."""
+    A reasoning item becomes the reasoning_content of the assistant message that follows it
+    (the chat template decides whether a turn's thinking is shown)."""
     if isinstance(input_, str):
         return [{"role": "user", "content": input_}]
     messages: list[dict[str, Any]] = []
+    thinking: list[str] = []  # reasoning items not yet given to an assistant message
+
+    def think(message: dict[str, Any]) -> None:
+        if thinking:
+            message["reasoning_content"] = "\n".join(
+                [*filter(None, [message.get("reasoning_content")]), *thinking])
+            thinking.clear()
+
     for i, item in enumerate(input_):
         where = f"input[{i}]"
         kind = item.get("type", "message")
+        if kind != "reasoning" and thinking and not (
+                kind == "function_call" or item.get("role") == "assistant"):
+            messages.append({"role": "assistant", "content": ""})  # a turn of thinking only
+            think(messages[-1])
         if kind == "message":
             role = _ROLES.get(item.get("role"))
             if role is None:
                 raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}.", "input")
             messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+            if role == "assistant":
+                think(messages[-1])
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
@@ -78,6 +121,7 @@ def input_messages(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            think(messages[-1])
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise bad_request(f"{where} (function_call_output) needs call_id.", "input")
@@ -85,10 +129,13 @@ def input_messages(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             text = output if isinstance(output, str) else _text_of(output, where)
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         elif kind == "reasoning":
-            continue
+            thinking.append(reasoning_text(item, where, unseal))
         else:
             raise bad_request(f"{where} has type {kind!r}; supported item types are message, "
                               "function_call, function_call_output and reasoning.", "input")
+    if thinking:
+        messages.append({"role": "assistant", "content": ""})
+        think(messages[-1])
     return messages
 
 
@@ -138,11 +185,13 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     raise bad_request("text.format.type must be text, json_schema or json_object.", "text")
 
 
-def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]
+def chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
+                 unseal: Unseal | None = None
                  ) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
     """(the chat request, this turn's conversation without the instructions: ``history`` (the
-    previous response's conversation) plus this input, what the store keeps)."""
-    conversation = [*history, *input_messages(req.input)]
+    previous response's conversation) plus this input, what the store keeps). ``unseal``: the
+    caller's reader of reasoning items' encrypted_content."""
+    conversation = [*history, *input_messages(req.input, unseal)]
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions
                 else []) + conversation
     if not messages:
@@ -173,9 +222,11 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]
 def output_message(output: list[dict[str, Any]]) -> dict[str, Any] | None:
     """A response's output items as the assistant message the next turn's prompt shows (None:
     nothing to show)."""
-    texts, calls = [], []
+    texts, calls, thinking = [], [], []
     for item in output:
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            thinking.extend(part["text"] for part in item["content"])
+        elif item["type"] == "message":
             texts.extend(part["text"] for part in item["content"])
         elif item["type"] == "function_call":
             calls.append({"id": item["call_id"], "type": "function", "function": {
@@ -183,6 +234,8 @@ def output_message(output: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not texts and not calls:
         return None
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+    if thinking:
+        message["reasoning_content"] = "".join(thinking)
     if calls:
         message["tool_calls"] = calls
     return message

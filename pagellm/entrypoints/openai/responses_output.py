@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +30,18 @@ def output_text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def reasoning_item(text: str, status: str, id_: str | None = None) -> dict[str, Any]:
-    return {"id": id_ or item_id("rs"), "type": "reasoning", "summary": [],
+# include reasoning.encrypted_content: the text -> the item's encrypted_content (a tenant's
+# ReasoningSealer.seal); None: the item has none.
+Seal = Callable[[str], str] | None
+
+
+def reasoning_item(text: str, status: str, id_: str | None = None, seal: Seal = None
+                   ) -> dict[str, Any]:
+    item = {"id": id_ or item_id("rs"), "type": "reasoning", "summary": [],
             "content": [reasoning_text_part(text)], "status": status}
+    if seal is not None:
+        item["encrypted_content"] = seal(text)
+    return item
 
 
 def reasoning_text_part(text: str) -> dict[str, Any]:
@@ -44,13 +54,14 @@ def function_call_item(call_id: str, name: str, arguments: str, status: str,
             "name": name, "arguments": arguments, "status": status}
 
 
-def output_items(message: ChatResponseMessage, status: str) -> list[dict[str, Any]]:
+def output_items(message: ChatResponseMessage, status: str, seal: Seal = None
+                 ) -> list[dict[str, Any]]:
     """Reasoning, then the text, then the calls, each when there is some; an answer with
     nothing in it is an empty message (as a stream ends). ``status`` is the last item's (the
     one a cut answer cut); the ones before it were complete."""
     items = []
     if message.reasoning_content:
-        items.append(reasoning_item(message.reasoning_content, "completed"))
+        items.append(reasoning_item(message.reasoning_content, "completed", seal=seal))
     if message.content or not (items or message.tool_calls):
         items.append(message_item(message.content or "", "completed"))
     items.extend(function_call_item(c.id, c.function.name, c.function.arguments, "completed")
@@ -127,5 +138,5 @@ class ResponseShell:
             "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
             "previous_response_id": req.previous_response_id,
             "metadata": req.metadata or {}, "store": self.store, "user": req.user,
-            "truncation": "disabled",
+            "truncation": "disabled", "prompt_cache_key": req.prompt_cache_key,
         }

@@ -13,6 +13,7 @@ from typing import Any
 
 from pagellm.entrypoints.openai.protocol import DeltaMessage
 from pagellm.entrypoints.openai.responses_output import (
+    Seal,
     function_call_item,
     item_id,
     message_item,
@@ -51,6 +52,7 @@ class StreamedItems:
     ``close`` has run (``items``, the response's output)."""
 
     write: EventWriter
+    seal: Seal = None  # reasoning items' encrypted_content (in their output_item.done)
     items: list[dict[str, Any]] = field(default_factory=list)
     _open: _OpenItem | None = None
 
@@ -144,16 +146,14 @@ class StreamedItems:
             return reasoning_text_part(text)
         return None
 
-    @staticmethod
-    def _item(item: _OpenItem, status: str) -> dict[str, Any]:
+    def _item(self, item: _OpenItem, status: str) -> dict[str, Any]:
         if item.kind == "message":
             full = message_item(item.text, status, item.id)
             if status == "in_progress":
                 full["content"] = []  # the part comes with content_part.added
             return full
         if item.kind == "reasoning":
-            full = reasoning_item(item.text, status, item.id)
             if status == "in_progress":
-                full["content"] = []
-            return full
+                return {**reasoning_item("", status, item.id), "content": []}
+            return reasoning_item(item.text, status, item.id, self.seal)
         return function_call_item(item.call_id, item.name, item.text, status, item.id)

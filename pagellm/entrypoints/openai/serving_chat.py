@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagellm.engine.async_llm import AsyncLLM, RequestStream
-from pagellm.entrypoints.openai.chat_output import ChatReading
+from pagellm.entrypoints.openai.chat_output import ChatReading, stream_reader
 from pagellm.entrypoints.openai.chat_template_args import (
     TemplateArgsError,
     check_documents,
@@ -40,18 +40,16 @@ from pagellm.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from pagellm.entrypoints.openai.serving_engine import (
+from pagellm.entrypoints.openai.serving_engine import OpenAIServing, ServedModels, TokenizerPool
+from pagellm.entrypoints.openai.serving_errors import bad_request
+from pagellm.entrypoints.openai.streams import (
     SSE_DONE,
-    OpenAIServing,
-    ServedModels,
-    TokenizerPool,
     final_outputs,
     merge_streams,
     sse,
     sse_error,
     stream_usage_modes,
 )
-from pagellm.entrypoints.openai.serving_errors import bad_request
 from pagellm.entrypoints.openai.structured_request import (
     Constraint,
     constraint_errors,
@@ -123,6 +121,11 @@ class ChatRenderer:
             entry = {"role": m.role, "content": content or ""}
             if m.name:
                 entry["name"] = m.name
+            # An assistant turn's thinking (vLLM's field): the template decides whether to show
+            # it (Qwen3's do after the last user turn, others drop it).
+            reasoning = (m.model_extra or {}).get("reasoning_content")
+            if isinstance(reasoning, str) and reasoning and m.role == "assistant":
+                entry["reasoning_content"] = reasoning
             entry.update(template_tool_fields(m, index))
             conversation.append(entry)
         if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
@@ -298,7 +301,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         final_outs: list[RequestOutput] = []  # the last output, once it came
         # One parser state per choice (a reasoning block, a half-written call).
-        choice_deltas = [reading.choice_deltas() for _ in range(req.n)] if reading else None
+        readers = [stream_reader(reading) for _ in range(req.n)]
         num_completion = num_cached = 0
         num_prompt = len(stream.prompt_token_ids)
         usage_each_chunk, usage_at_end = stream_usage_modes(req.stream_options)
@@ -324,12 +327,9 @@ class OpenAIServingChat(OpenAIServing):
                 num_cached = out.num_cached_tokens
                 for c in out.outputs:
                     num_completion += len(c.token_ids)
-                    delta: DeltaMessage | None = DeltaMessage(content=c.text)
-                    finish_reason = c.finish_reason
-                    if choice_deltas is not None:
-                        delta, finish_reason = choice_deltas[c.index].feed(c.text,
-                                                                           c.finish_reason)
-                    has_delta = delta is not None if choice_deltas is not None else c.text
+                    delta, finish_reason = readers[c.index].feed(c.text, c.finish_reason)
+                    has_delta = delta is not None and bool(
+                        delta.content or delta.reasoning_content or delta.tool_calls)
                     # Tokens the parsers hold back still carry their ids (and logprobs).
                     if not (has_delta or finish_reason
                             or ((req.logprobs or req.return_token_ids) and c.token_ids)):

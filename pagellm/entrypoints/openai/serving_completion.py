@@ -25,16 +25,16 @@ from pagellm.entrypoints.openai.protocol import (
     CompletionResponse,
     UsageInfo,
 )
-from pagellm.entrypoints.openai.serving_engine import (
+from pagellm.entrypoints.openai.serving_engine import OpenAIServing
+from pagellm.entrypoints.openai.serving_errors import bad_request
+from pagellm.entrypoints.openai.streams import (
     SSE_DONE,
-    OpenAIServing,
     final_outputs,
     merge_streams,
     sse,
     sse_error,
     stream_usage_modes,
 )
-from pagellm.entrypoints.openai.serving_errors import bad_request
 from pagellm.entrypoints.openai.structured_request import (
     Constraint,
     constraint_errors,

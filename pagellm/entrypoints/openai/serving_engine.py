@@ -1,6 +1,6 @@
 """What the completion and chat endpoints share: model names, tokenization off the event loop,
-sampling parameters, starting requests, merging their streams, SSE framing and logprob
-formatting."""
+sampling parameters, starting requests and logprob formatting (merging their streams and SSE
+framing: streams.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,13 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel
 
 from pagellm.engine.async_llm import (
     AsyncLLM,
@@ -30,7 +29,6 @@ from pagellm.entrypoints.openai.prompt_logprobs import prompt_logprob_entries
 from pagellm.entrypoints.openai.protocol import (
     PromptTokensDetails,
     SamplingFields,
-    StreamOptions,
     UsageInfo,
     random_id,
 )
@@ -40,11 +38,10 @@ from pagellm.entrypoints.openai.sampling_lists import check_sampling_lists
 from pagellm.entrypoints.openai.serving_errors import (
     OpenAIError,
     bad_request,
-    describe_error,
-    error_body,
     internal_error,
     model_not_found,
 )
+from pagellm.entrypoints.openai.streams import close_all
 from pagellm.errors import EngineSleepingError, RequestIdInUseError
 from pagellm.outputs import RequestOutput
 from pagellm.sample.bad_words import bad_words_token_ids
@@ -448,81 +445,3 @@ def retry_later(reason: str, code: str = "server_overloaded") -> OpenAIError:
     """A 503 with Retry-After: the request may succeed later as it is."""
     return OpenAIError(503, f"{reason} Retry later.", code=code,
                        headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def stream_usage_modes(options: StreamOptions | None) -> tuple[bool, bool]:
-    """(usage on every chunk, a final usage chunk) for a stream's ``stream_options``.
-    continuous_usage_stats alone is enough for the first (vLLM also wants include_usage:
-    a client that asks for usage on every chunk gets it either way)."""
-    if options is None:
-        return False, False
-    return options.continuous_usage_stats, options.include_usage
-
-
-def close_all(streams: Sequence[RequestStream]) -> None:
-    """Abort whatever has not finished (a no-op for finished streams)."""
-    for s in streams:
-        s.close()
-
-
-async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
-    """The last output of each stream (FINAL_ONLY streams yield exactly one)."""
-
-    async def last(stream: RequestStream) -> RequestOutput:
-        last_out = None
-        async for out in stream:
-            last_out = out
-        assert last_out is not None and last_out.finished
-        return last_out
-
-    try:
-        return list(await asyncio.gather(*(last(s) for s in streams)))
-    finally:
-        close_all(streams)
-
-
-async def merge_streams(streams: Sequence[RequestStream]
-                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the stream's index. Leaving early
-    (cancellation, client gone) aborts every unfinished stream."""
-    pending: dict[asyncio.Future, int] = {}
-    try:
-        for i, s in enumerate(streams):
-            pending[asyncio.ensure_future(s.__anext__())] = i
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                i = pending.pop(fut)
-                try:
-                    out = fut.result()
-                except StopAsyncIteration:
-                    continue
-                yield i, out
-                if not out.finished:
-                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
-    finally:
-        for fut in pending:
-            fut.cancel()
-        close_all(streams)
-
-
-def sse(data: BaseModel | dict[str, Any] | str) -> str:
-    if isinstance(data, BaseModel):
-        payload = data.model_dump_json(exclude_unset=False)
-    elif isinstance(data, dict):
-        payload = json.dumps(data)
-    else:
-        payload = data
-    return f"data: {payload}\n\n"
-
-
-def sse_error(exc: BaseException, request_id: str | None = None) -> str:
-    """The error event of a stream whose headers are sent (then comes ``[DONE]``)."""
-    if not isinstance(exc, OpenAIError | RequestFailedError | EngineDeadError
-                      | EngineSleepingError):
-        exc = internal_error(exc, request_id, "a stream")
-    status, message, code = describe_error(exc)
-    return sse(error_body(status, message, code=code))
-
-
-SSE_DONE = "data: [DONE]\n\n"

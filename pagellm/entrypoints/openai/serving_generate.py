@@ -35,7 +35,8 @@ from pagellm.entrypoints.openai.protocol_generate import (
 )
 from pagellm.entrypoints.openai.request_ids import REQUEST_ID_HEADER, REQUEST_ID_SCOPE_KEY
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagellm.entrypoints.openai.serving_engine import (
+from pagellm.entrypoints.openai.serving_errors import OpenAIError, bad_request
+from pagellm.entrypoints.openai.streams import (
     SSE_DONE,
     final_outputs,
     merge_streams,
@@ -43,7 +44,6 @@ from pagellm.entrypoints.openai.serving_engine import (
     sse_error,
     stream_usage_modes,
 )
-from pagellm.entrypoints.openai.serving_errors import OpenAIError, bad_request
 from pagellm.entrypoints.openai.structured_request import constraint_errors
 from pagellm.outputs import CompletionOutput, RawPromptLogprobs
 from pagellm.sampling_params import SamplingParams

@@ -15,8 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagellm.engine.async_llm import RequestStream
-from pagellm.entrypoints.openai.chat_output import ChatReading
-from pagellm.entrypoints.openai.protocol import ChatResponseMessage, DeltaMessage
+from pagellm.entrypoints.openai.chat_output import ChatReading, stream_reader
+from pagellm.entrypoints.openai.protocol import ChatResponseMessage
 from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagellm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagellm.entrypoints.openai.responses_input import (
@@ -27,19 +27,21 @@ from pagellm.entrypoints.openai.responses_input import (
 from pagellm.entrypoints.openai.responses_output import (
     Outcome,
     ResponseShell,
+    Seal,
     item_status,
     output_items,
     usage,
 )
+from pagellm.entrypoints.openai.responses_sealing import ReasoningSealer
 from pagellm.entrypoints.openai.responses_stream import EventWriter, StreamedItems
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat, RenderedChat
-from pagellm.entrypoints.openai.serving_engine import merge_streams
 from pagellm.entrypoints.openai.serving_errors import (
     OpenAIError,
     bad_request,
     describe_error,
     internal_error,
 )
+from pagellm.entrypoints.openai.streams import merge_streams
 from pagellm.entrypoints.openai.structured_request import constraint_errors
 from pagellm.entrypoints.openai.tenancy import TENANT_SCOPE_KEY
 from pagellm.outputs import RequestOutput
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
     from pagellm.entrypoints.openai.tracing import RequestTrace
 
 RESPONSES_PATH = "/v1/responses"
+PROMPT_CACHE_KEY_ATTRIBUTE = "pagellm.responses.prompt_cache_key"
+CLIENT_METADATA_ATTRIBUTE = "pagellm.responses.client_metadata"
 _END = object()
 # How a stream ends, by the response's status (OpenAI has no cancelled event).
 _FINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete",
@@ -62,6 +66,16 @@ def tenant_of(raw_request: Request) -> str:
 def not_found(response_id: str, param: str | None = None, hint: str = "") -> OpenAIError:
     return OpenAIError(404, f"Response with id '{response_id}' not found.{hint}", param,
                        "not_found")
+
+
+def request_attributes(req: ResponsesRequest) -> dict[str, str]:
+    """The trace span's attributes of prompt_cache_key and client_metadata (the client's
+    attribution: Codex sends its session, thread and turn ids)."""
+    attributes = {f"{CLIENT_METADATA_ATTRIBUTE}.{k}": v
+                  for k, v in (req.client_metadata or {}).items()}
+    if req.prompt_cache_key is not None:
+        attributes[PROMPT_CACHE_KEY_ATTRIBUTE] = req.prompt_cache_key
+    return attributes
 
 
 class Generation:
@@ -109,6 +123,7 @@ class ResponseRun:
     generation: Generation
     num_input: int
     trace: RequestTrace | None
+    seal: Seal = None  # include reasoning.encrypted_content
     done: bool = False
     # The in-progress record in the store (GET and cancel see it while this runs).
     pending: StoredResponse | None = None
@@ -133,7 +148,7 @@ class ResponseRun:
             message, finish = self.read(c.text, c.finish_reason)
             self.serving.chat.finished(self.trace, last, self.rendered.params,
                                        self.rendered.model, len(c.token_ids))
-            return self.finish(output_items(message, item_status(finish, cancelled)),
+            return self.finish(output_items(message, item_status(finish, cancelled), self.seal),
                                Outcome.of(finish, cancelled), len(c.token_ids),
                                last.num_cached_tokens,
                                await self.serving.count_tokens(message.reasoning_content))
@@ -143,8 +158,8 @@ class ResponseRun:
     async def events(self) -> AsyncIterator[str]:
         """The streamed response's events."""
         write = EventWriter()
-        items = StreamedItems(write)
-        deltas = self.rendered.reading.choice_deltas() if self.rendered.reading else None
+        items = StreamedItems(write, self.seal)
+        deltas = stream_reader(self.rendered.reading)
         num_output = num_cached = 0
         finish: str | None = None
         reasoning = ""
@@ -155,10 +170,7 @@ class ResponseRun:
                 c = out.outputs[0]
                 num_output += len(c.token_ids)
                 num_cached = out.num_cached_tokens
-                if deltas is not None:
-                    delta, finish = deltas.feed(c.text, c.finish_reason)
-                else:
-                    delta, finish = DeltaMessage(content=c.text), c.finish_reason
+                delta, finish = deltas.feed(c.text, c.finish_reason)
                 if delta is not None:
                     reasoning += delta.reasoning_content or ""
                     for event in items.feed(delta):
@@ -213,9 +225,11 @@ class ResponseRun:
 
 
 class OpenAIServingResponses:
-    def __init__(self, chat: OpenAIServingChat, store: ResponseStore) -> None:
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore,
+                 sealer: ReasoningSealer | None = None) -> None:
         self.chat = chat
         self.store = store
+        self.sealer = sealer or ReasoningSealer()  # a key of its own per server start
 
     async def create(self, req: ResponsesRequest, raw_request: Request) -> Response:
         request_id, trace = self.chat.begin(raw_request)
@@ -224,7 +238,10 @@ class OpenAIServingResponses:
 
     async def handle(self, req: ResponsesRequest, tenant: str, request_id: str,
                      trace: RequestTrace | None) -> Response:
-        chat_req, conversation = chat_request(req, self.history(req, tenant))
+        chat_req, conversation = chat_request(
+            req, self.history(req, tenant), lambda value: self.sealer.open(tenant, value))
+        if trace is not None:
+            trace.attributes.update(request_attributes(req))
         try:
             rendered = await self.chat.render(chat_req)
             params = rendered.params
@@ -236,8 +253,9 @@ class OpenAIServingResponses:
         shell = ResponseShell.create(req, rendered.model, params.temperature, params.top_p,
                                      req.stored and self.store.max_entries > 0)
         generation = Generation(streams)
+        seal = (lambda text: self.sealer.seal(tenant, text)) if req.seals_reasoning else None
         run = ResponseRun(self, shell, rendered, conversation, tenant, generation,
-                          len(streams[0].prompt_token_ids), trace)
+                          len(streams[0].prompt_token_ids), trace, seal)
         if shell.store:  # GET and cancel see it while it runs
             run.pending = StoredResponse(shell.body("in_progress"), conversation,
                                          cancel=generation.cancel)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pagellm
@@ -83,13 +83,15 @@ class RequestTrace:
 
     tracer: RequestTracer
     context: Any  # an OpenTelemetry Context: the caller's span, or none (a new trace)
+    # The endpoint's own span attributes (the Responses API's client_metadata...).
+    attributes: dict[str, Any] = field(default_factory=dict)
 
     def finished(self, output: RequestOutput, params: SamplingParams, model: str,
                  num_prompt_tokens: int, num_completion_tokens: int) -> None:
         """Record the span of one finished engine request (``output``: its last output), with
         the token counts its response reports."""
         self.tracer.record(self.context, output, params, model, num_prompt_tokens,
-                           num_completion_tokens)
+                           num_completion_tokens, self.attributes)
 
 
 class RequestTracer:
@@ -111,7 +113,8 @@ class RequestTracer:
         return RequestTrace(self, self._propagator.extract(carrier))
 
     def record(self, context: Any, output: RequestOutput, params: SamplingParams, model: str,
-               num_prompt_tokens: int, num_completion_tokens: int) -> None:
+               num_prompt_tokens: int, num_completion_tokens: int,
+               extra: Mapping[str, Any] | None = None) -> None:
         timing = RequestTiming.of(output.metrics)
         attributes: dict[str, Any] = {
             SpanAttributes.GEN_AI_REQUEST_ID: output.request_id,
@@ -133,6 +136,7 @@ class RequestTracer:
         }
         # A missing timestamp leaves its attribute out (OpenTelemetry has no null).
         attributes.update((k, v) for k, v in latencies.items() if v is not None)
+        attributes.update(extra or {})
         end_ns = wall_clock_ns(timing.finished_time) if timing.finished_time is not None \
             else None
         span = self._tracer.start_span(SPAN_NAME, context=context, kind=self._server_kind,
