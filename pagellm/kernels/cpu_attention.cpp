@@ -316,18 +316,11 @@ template <typename T>
 int write_kv(T* k_cache, T* v_cache, const T* key, int64_t k_stride, const T* value,
              int64_t v_stride, const int64_t* slots, int64_t num_tokens, int64_t row,
              int64_t num_slots) {
-  int out_of_bounds = 0;
-#pragma omp parallel for if (num_tokens > 64)
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    if (slots[t] < 0 || slots[t] >= num_slots) {
-#pragma omp atomic write
-      out_of_bounds = 1;
-      continue;
-    }
+  const bool ok = for_each_slot(slots, num_tokens, num_slots, [&](int64_t t) {
     std::memcpy(k_cache + slots[t] * row, key + t * k_stride, row * sizeof(T));
     std::memcpy(v_cache + slots[t] * row, value + t * v_stride, row * sizeof(T));
-  }
-  return out_of_bounds ? kOutOfBounds : 1;
+  });
+  return ok ? 1 : kOutOfBounds;
 }
 
 }  // namespace

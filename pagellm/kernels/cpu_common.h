@@ -27,6 +27,24 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// The cache writers' loop: row(t) for every token t whose slot lies in [0, num_slots), in
+// parallel for many tokens; returns false where some slot lay outside (those tokens skipped,
+// nothing written for them).
+template <typename Fn>
+inline bool for_each_slot(const int64_t* slots, int64_t num_tokens, int64_t num_slots, Fn&& row) {
+  int out_of_bounds = 0;
+#pragma omp parallel for if (num_tokens > 64)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] < 0 || slots[t] >= num_slots) {
+#pragma omp atomic write
+      out_of_bounds = 1;
+      continue;
+    }
+    row(t);
+  }
+  return out_of_bounds == 0;
+}
+
 // Whether an attention call's shape is one the kernels index safely: positive sizes, the query
 // heads whole groups of the kv heads. Every attention entry point checks it before it divides
 // by any of them.

@@ -26,18 +26,12 @@
 namespace pagellm {
 namespace {
 
+// One of K or V written, quantized; false where some slot lay outside [0, num_slots).
 template <typename C>
-void write_rows(int fmt, uint8_t* cache, uint16_t* scales, const typename C::T* x,
-                int64_t stride,
-                const int64_t* slots, int64_t num_tokens, int64_t Hkv, int64_t D, float scale,
-                int64_t num_slots, int& out_of_bounds) {
-#pragma omp parallel for if (num_tokens > 64)
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    if (slots[t] < 0 || slots[t] >= num_slots) {
-#pragma omp atomic write
-      out_of_bounds = 1;
-      continue;
-    }
+bool write_rows(int fmt, uint8_t* cache, uint16_t* scales, const typename C::T* x,
+                int64_t stride, const int64_t* slots, int64_t num_tokens, int64_t Hkv,
+                int64_t D, float scale, int64_t num_slots) {
+  return for_each_slot(slots, num_tokens, num_slots, [&](int64_t t) {
     for (int64_t h = 0; h < Hkv; ++h) {
       const typename C::T* src = x + t * stride + h * D;
       uint8_t* dst = cache + (slots[t] * Hkv + h) * D;
@@ -55,7 +49,7 @@ void write_rows(int fmt, uint8_t* cache, uint16_t* scales, const typename C::T* 
         for (int64_t d = 0; d < D; ++d) dst[d] = encode(fmt, C::load(src[d]) / scale);
       }
     }
-  }
+  });
 }
 
 // What one attention call fixes for all its items.
@@ -234,21 +228,20 @@ int pagellm_write_kv_quant(int fmt, int dtype, void* k_cache, void* v_cache, uin
   if (fmt < 0 || fmt > 2 || (dtype != 0 && dtype != 1) || Hkv < 1 || D < 1 ||
       (fmt != kInt8 && (!(k_scale > 0.f) || !(v_scale > 0.f))))
     return 0;
-  int oob = 0;
   auto* kc = static_cast<uint8_t*>(k_cache);
   auto* vc = static_cast<uint8_t*>(v_cache);
-  if (dtype == 0) {
-    write_rows<F32>(fmt, kc, k_scales, static_cast<const float*>(key), k_stride, slots,
-                    num_tokens, Hkv, D, k_scale, num_slots, oob);
-    write_rows<F32>(fmt, vc, v_scales, static_cast<const float*>(value), v_stride, slots,
-                    num_tokens, Hkv, D, v_scale, num_slots, oob);
-  } else {
-    write_rows<BF16>(fmt, kc, k_scales, static_cast<const uint16_t*>(key), k_stride, slots,
-                     num_tokens, Hkv, D, k_scale, num_slots, oob);
-    write_rows<BF16>(fmt, vc, v_scales, static_cast<const uint16_t*>(value), v_stride, slots,
-                     num_tokens, Hkv, D, v_scale, num_slots, oob);
-  }
-  return oob ? kOutOfBounds : 1;
+  bool ok;  // both written whatever the other found (&, not &&)
+  if (dtype == 0)
+    ok = write_rows<F32>(fmt, kc, k_scales, static_cast<const float*>(key), k_stride, slots,
+                         num_tokens, Hkv, D, k_scale, num_slots) &
+         write_rows<F32>(fmt, vc, v_scales, static_cast<const float*>(value), v_stride, slots,
+                         num_tokens, Hkv, D, v_scale, num_slots);
+  else
+    ok = write_rows<BF16>(fmt, kc, k_scales, static_cast<const uint16_t*>(key), k_stride,
+                          slots, num_tokens, Hkv, D, k_scale, num_slots) &
+         write_rows<BF16>(fmt, vc, v_scales, static_cast<const uint16_t*>(value), v_stride,
+                          slots, num_tokens, Hkv, D, v_scale, num_slots);
+  return ok ? 1 : kOutOfBounds;
 }
 
 // Causal paged attention over an 8-bit cache for every sequence of a step (a decode token is a

@@ -2,7 +2,7 @@
 writes and paged attention reading the quantized blocks (decode tokens and prefill chunks
 alike).
 
-The library is the one ``cpu_ops`` loads (``cpu_ops._library()``, so ``cpu_ops.built_for``
+The library is the one ``cpu_ops`` loads (``cpu_ops.library()``, so ``cpu_ops.built_for``
 switches these too); ``supports`` says whether the kernels take a layer's tensors, callers fall
 back to the torch reference (attention/kv_quant.py) otherwise.
 """
@@ -10,7 +10,6 @@ back to the torch reference (attention/kv_quant.py) otherwise.
 from __future__ import annotations
 
 import ctypes
-from ctypes import c_float, c_int, c_int64, c_void_p
 
 import torch
 
@@ -19,27 +18,9 @@ from pagellm.kernels import cpu_ops
 
 FORMATS = {"fp8_e4m3": 0, "fp8_e5m2": 1, "int8_per_token_head": 2}
 
-_SIGNATURES = {
-    "pagellm_write_kv_quant": [c_int, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
-                               c_int64, c_void_p, c_int64, c_void_p, c_int64, c_int64, c_int64,
-                               c_int64, c_float, c_float],
-    "pagellm_paged_attention_quant": [c_int, c_int, c_void_p, c_int64, c_void_p, c_int64,
-                                      c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
-                                      c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p,
-                                      c_int64, c_int64, c_int64, c_int64, c_float, c_int64,
-                                      c_float, c_float, c_float, c_void_p],
-}
-_typed: set[int] = set()
-
-
 def _lib() -> ctypes.CDLL:
-    lib = cpu_ops._library()
+    lib = cpu_ops.library()
     assert lib is not None, "call supports() first"
-    if id(lib) not in _typed:
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, c_int
-        _typed.add(id(lib))
     return lib
 
 

@@ -31,20 +31,10 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_moe_formats.h"
 
 namespace pagellm {
 namespace {
-
-struct Int4 {};  // the int4 weight format (Fmt<T, Int4>)
-
-// The quantization data of one call (null where the format has none), bfloat16 as the quantized
-// methods keep it: int8 per-output scales rs13 [E, 2I] (gate rows, then up rows) and rs2 [E, H];
-// int4 (scale, zero) pairs per group and output, sz13 [E, H/group, 2I, 2] and sz2
-// [E, I/group, H, 2], the weight being (code - 8) * scale + zero (torch's int4 CPU op's).
-struct QuantData {
-  const uint16_t *rs13 = nullptr, *rs2 = nullptr, *sz13 = nullptr, *sz2 = nullptr;
-  int64_t group = 0;
-};
 
 #if defined(__AVX512F__)
 constexpr int64_t kRowChunk = 256;  // rows kept in cache while a thread's weight panels stream
@@ -70,92 +60,6 @@ inline __m512 silu16(__m512 g) {
   const __m512 one = _mm512_set1_ps(1.0f);
   return _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
 }
-
-// Weight formats: how one step (kDims input dims) of a block of 16 outputs is stored (kStep
-// values of Store) and becomes kVecs madd operands of the activations' dtype T.
-// - plain T: the operand itself (16 float32, or 16 bfloat16 pairs);
-// - int8 codes in the same element order: converted exactly (|q| <= 127 fits bfloat16's 8 bits),
-//   the per-output scales applied to the sums (kRowScales);
-// - int4 codes (Int4), two dims per step, byte n = code(n, k) | code(n, k + 1) << 4: dequantized
-//   in registers as code * scale + min of the step's group (kGrouped; see ExpertQuant), then
-//   rounded to T (float32: two operands, for dims k and k + 1).
-template <typename T, typename W>
-struct Fmt {  // plain
-  using Store = T;
-  static constexpr int64_t kDims = VecOps<T>::kPer;
-  static constexpr int64_t kStep = 16 * kDims;
-  static constexpr int kVecs = 1;
-  static constexpr int kMaxRows = 6;
-  static constexpr bool kRowScales = false, kGrouped = false;
-  static inline void load(const Store* p, __m512* v, __m512, __m512) { v[0] = VecOps<T>::load(p); }
-};
-
-template <typename T>
-struct Fmt<T, int8_t> {
-  using Store = int8_t;
-  static constexpr int64_t kDims = VecOps<T>::kPer;
-  static constexpr int64_t kStep = 16 * kDims;
-  static constexpr int kVecs = 1;
-  static constexpr int kMaxRows = 6;
-  static constexpr bool kRowScales = true, kGrouped = false;
-  static inline __m512 cvt16(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-  }
-  static inline void load(const Store* p, __m512* v, __m512, __m512) {
-    if constexpr (std::is_same<T, float>::value) {
-      v[0] = cvt16(p);
-    } else {
-#if defined(__AVX512BF16__)
-      v[0] = (__m512)_mm512_cvtne2ps_pbh(cvt16(p + 16), cvt16(p));
-#endif
-    }
-  }
-};
-
-template <typename T>
-struct Fmt<T, Int4> {
-  using Store = uint8_t;
-  static constexpr int64_t kDims = 2;
-  static constexpr int64_t kStep = 16;
-  static constexpr int kVecs = std::is_same<T, float>::value ? 2 : 1;
-  static constexpr int kMaxRows = 3;  // room for the group's scales and mins in registers
-  static constexpr bool kRowScales = false, kGrouped = true;
-  static inline void load(const Store* p, __m512* v, __m512 scale, __m512 min) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    const __m512 lo = _mm512_fmadd_ps(
-        _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), scale, min);
-    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), scale, min);
-    if constexpr (std::is_same<T, float>::value) {
-      v[0] = lo;
-      v[1] = hi;
-    } else {
-#if defined(__AVX512BF16__)
-      // [lo 0..15 | hi 0..15] as bfloat16 -> pairs (lo n, hi n) in lane n.
-      const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
-                                           1, 16, 0);
-      v[0] = _mm512_castsi512_ps(
-          _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
-#endif
-    }
-  }
-};
-
-// One expert's quantization data for one of its stacks of N outputs: row scales [N], or
-// (scale, zero) pairs [K/group][N][2].
-struct ExpertQuant {
-  const uint16_t *rows = nullptr, *sz = nullptr;
-  int64_t n = 0, group = 0;
-
-  // The scales and mins (zero - 8 scale, as torch's op computes it in float32) of the 16 outputs
-  // from `out0` in the group of input dim k.
-  inline void group_of(int64_t k, int64_t out0, __m512& scale, __m512& min) const {
-    const __m512i v = _mm512_loadu_si512(sz + ((k / group) * n + out0) * 2);
-    scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536)));
-    min = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
-  }
-};
 
 // Gate/up: MR rows (pointers) x NP pair blocks from `w` (consecutive). act rows get the 16 NP
 // SiLU(gate) * up values of pairs [p, p + NP) at columns 16 p (gate outputs 16 p.., up outputs
@@ -246,46 +150,22 @@ inline void down_micro(float* const* orow, const float* scale, const T* const* a
   }
 }
 
-// Up to the format's kMaxRows rows per micro-kernel call; the whole prefetch rides on the last.
-template <typename T, typename W, int NP>
-void gate_up_rows(T* const* act, const T* const* x, int64_t n,
-                  const typename Fmt<T, W>::Store* w, int64_t K, int64_t I, int64_t p,
-                  ExpertQuant q, Prefetch pf) {
-  constexpr int kMax = Fmt<T, W>::kMaxRows;
+// rows [0, n) of a panel in groups of up to kMax rows: fn(first row, an integral_constant of the
+// group's rows, prefetch), the whole prefetch riding on the last group. Group sizes above kMax
+// are never instantiated (a format with fewer registers to spare caps them).
+template <int kMax, typename Fn>
+inline void row_groups(int64_t n, Prefetch pf, Fn&& fn) {
+  using std::integral_constant;
   for (int64_t i = 0; i < n; i += kMax) {
     const int64_t m = std::min<int64_t>(kMax, n - i);
     const Prefetch part = i + m < n ? Prefetch{} : pf;
-    T* const* a = act + i;
-    const T* const* xi = x + i;
     switch (m) {
-      case 6: gate_up_micro<T, W, kMax < 6 ? 1 : 6, NP>(a, xi, w, K, I, p, q, part); break;
-      case 5: gate_up_micro<T, W, kMax < 5 ? 1 : 5, NP>(a, xi, w, K, I, p, q, part); break;
-      case 4: gate_up_micro<T, W, kMax < 4 ? 1 : 4, NP>(a, xi, w, K, I, p, q, part); break;
-      case 3: gate_up_micro<T, W, 3, NP>(a, xi, w, K, I, p, q, part); break;
-      case 2: gate_up_micro<T, W, 2, NP>(a, xi, w, K, I, p, q, part); break;
-      default: gate_up_micro<T, W, 1, NP>(a, xi, w, K, I, p, q, part); break;
-    }
-  }
-}
-
-template <typename T, typename W, int NB>
-void down_rows(float* const* orow, const float* scale, const T* const* a, int64_t n,
-               const typename Fmt<T, W>::Store* w, int64_t I, int64_t nb, ExpertQuant q,
-               Prefetch pf) {
-  constexpr int kMax = Fmt<T, W>::kMaxRows;
-  for (int64_t i = 0; i < n; i += kMax) {
-    const int64_t m = std::min<int64_t>(kMax, n - i);
-    const Prefetch part = i + m < n ? Prefetch{} : pf;
-    float* const* o = orow + i;
-    const float* s = scale + i;
-    const T* const* ai = a + i;
-    switch (m) {
-      case 6: down_micro<T, W, kMax < 6 ? 1 : 6, NB>(o, s, ai, w, I, nb, q, part); break;
-      case 5: down_micro<T, W, kMax < 5 ? 1 : 5, NB>(o, s, ai, w, I, nb, q, part); break;
-      case 4: down_micro<T, W, kMax < 4 ? 1 : 4, NB>(o, s, ai, w, I, nb, q, part); break;
-      case 3: down_micro<T, W, 3, NB>(o, s, ai, w, I, nb, q, part); break;
-      case 2: down_micro<T, W, 2, NB>(o, s, ai, w, I, nb, q, part); break;
-      default: down_micro<T, W, 1, NB>(o, s, ai, w, I, nb, q, part); break;
+      case 6: if constexpr (kMax >= 6) fn(i, integral_constant<int, 6>{}, part); break;
+      case 5: if constexpr (kMax >= 5) fn(i, integral_constant<int, 5>{}, part); break;
+      case 4: if constexpr (kMax >= 4) fn(i, integral_constant<int, 4>{}, part); break;
+      case 3: if constexpr (kMax >= 3) fn(i, integral_constant<int, 3>{}, part); break;
+      case 2: if constexpr (kMax >= 2) fn(i, integral_constant<int, 2>{}, part); break;
+      default: fn(i, integral_constant<int, 1>{}, part); break;
     }
   }
 }
@@ -302,6 +182,30 @@ std::vector<Panel> panels_of(const std::vector<int64_t>& active, int64_t b0, int
   for (int64_t s = 0; s < static_cast<int64_t>(active.size()); ++s)
     for (int64_t b = b0; b < b1; b += width) out.push_back({s, b, std::min(width, b1 - b)});
   return out;
+}
+
+// One thread's panels over a stack (`blocks` blocks of `block_len` stored values per expert):
+// fn(panel, expert, its weights, first row, rows, prefetch) for every chunk of kRowChunk rows of
+// the panel's expert (rows [start[e], start[e + 1])), the last chunk prefetching the next
+// panel's weights (often the next expert's) over its `steps` k steps.
+template <typename S, typename Fn>
+void run_panels(const std::vector<Panel>& panels, const std::vector<int64_t>& active,
+                const std::vector<int64_t>& start, const S* stack, int64_t blocks,
+                int64_t block_len, int64_t steps, Fn&& fn) {
+  auto at = [&](const Panel& pn) { return stack + (active[pn.slot] * blocks + pn.b) * block_len; };
+  for (size_t c = 0; c < panels.size(); ++c) {
+    const Panel& pn = panels[c];
+    const int64_t e = active[pn.slot], r0 = start[e], n = start[e + 1] - r0;
+    Prefetch pf;
+    if (c + 1 < panels.size()) {
+      const Panel& d = panels[c + 1];
+      pf = prefetch_of(at(d), d.n * block_len * static_cast<int64_t>(sizeof(S)), steps);
+    }
+    for (int64_t m = 0; m < n; m += kRowChunk) {
+      const int64_t rows = std::min(kRowChunk, n - m);
+      fn(pn, e, at(pn), r0 + m, rows, m + rows < n ? Prefetch{} : pf);
+    }
+  }
 }
 
 // w13 / w2: the packed stacks in format W (Fmt); qd: their quantization data.
@@ -333,7 +237,7 @@ void moe_forward(T* out, int64_t ldo, const T* x, int64_t ldx, const int64_t* id
   static thread_local std::vector<T> act_buf;
   if (act_buf.size() < static_cast<size_t>(R * I)) act_buf.resize(R * I);
   T* act = act_buf.data();
-  std::vector<const T*> xrow(R), arow(R);
+  std::vector<const T*> xrow(R);
   std::vector<T*> actrow(R);
   std::vector<float*> orow(R);
   constexpr bool f32_out = std::is_same<T, float>::value;
@@ -342,7 +246,6 @@ void moe_forward(T* out, int64_t ldo, const T* x, int64_t ldx, const int64_t* id
   for (int64_t r = 0; r < R; ++r) {
     xrow[r] = x + token[r] * ldx;
     actrow[r] = act + r * I;
-    arow[r] = act + r * I;
     orow[r] = acc_out + token[r] * ldacc;
   }
   const int64_t P = I / 16, NB = H / 16;
@@ -363,55 +266,35 @@ void moe_forward(T* out, int64_t ldo, const T* x, int64_t ldx, const int64_t* id
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     // (2) Gate/up: pair blocks [p0, p1) of every active expert, two pairs a panel.
     const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
-    const std::vector<Panel> up = panels_of(active, p0, p1, 2);
-    for (size_t c = 0; c < up.size(); ++c) {
-      const Panel& pn = up[c];
-      const int64_t e = active[pn.slot], r0 = start[e], n = start[e + 1] - r0;
-      const S* w = w13 + e * P * pair_len + pn.b * pair_len;
+    run_panels(panels_of(active, p0, p1, 2), active, start, w13, P, pair_len, steps_h,
+               [&](const Panel& pn, int64_t e, const S* w, int64_t r, int64_t rows, Prefetch pf) {
       const ExpertQuant q = quant13(e);
-      Prefetch pf;
-      if (c + 1 < up.size()) {
-        const Panel& d = up[c + 1];
-        pf = prefetch_of(w13 + (active[d.slot] * P + d.b) * pair_len,
-                         d.n * pair_len * static_cast<int64_t>(sizeof(S)), steps_h);
-      }
-      for (int64_t m = 0; m < n; m += kRowChunk) {
-        const int64_t rows = std::min(kRowChunk, n - m);
-        const Prefetch part = m + rows < n ? Prefetch{} : pf;
-        T* const* a = &actrow[r0 + m];
-        const T* const* xr = &xrow[r0 + m];
-        if (pn.n == 2) gate_up_rows<T, W, 2>(a, xr, rows, w, H, I, pn.b, q, part);
-        else gate_up_rows<T, W, 1>(a, xr, rows, w, H, I, pn.b, q, part);
-      }
-    }
+      row_groups<F::kMaxRows>(rows, pf, [&](int64_t i, auto mr, Prefetch part) {
+        constexpr int MR = decltype(mr)::value;
+        T* const* a = &actrow[r + i];
+        const T* const* xr = &xrow[r + i];
+        if (pn.n == 2) gate_up_micro<T, W, MR, 2>(a, xr, w, H, I, pn.b, q, part);
+        else gate_up_micro<T, W, MR, 1>(a, xr, w, H, I, pn.b, q, part);
+      });
+    });
     // (3) Down: output blocks [n0, n1) of every token, experts in ascending order.
     const int64_t n0 = NB * t / nt, n1 = NB * (t + 1) / nt;
     for (int64_t tok = 0; tok < Tn; ++tok)
       std::fill(acc_out + tok * ldacc + n0 * 16, acc_out + tok * ldacc + n1 * 16, 0.0f);
 #pragma omp barrier
-    const std::vector<Panel> down = panels_of(active, n0, n1, 3);
-    for (size_t c = 0; c < down.size(); ++c) {
-      const Panel& pn = down[c];
-      const int64_t e = active[pn.slot], r0 = start[e], n = start[e + 1] - r0;
-      const S* w = w2 + (e * NB + pn.b) * block_len;
+    run_panels(panels_of(active, n0, n1, 3), active, start, w2, NB, block_len, steps_i,
+               [&](const Panel& pn, int64_t e, const S* w, int64_t r, int64_t rows, Prefetch pf) {
       const ExpertQuant q = quant2(e);
-      Prefetch pf;
-      if (c + 1 < down.size()) {
-        const Panel& d = down[c + 1];
-        pf = prefetch_of(w2 + (active[d.slot] * NB + d.b) * block_len,
-                         d.n * block_len * static_cast<int64_t>(sizeof(S)), steps_i);
-      }
-      for (int64_t m = 0; m < n; m += kRowChunk) {
-        const int64_t rows = std::min(kRowChunk, n - m);
-        const Prefetch part = m + rows < n ? Prefetch{} : pf;
-        float* const* o = &orow[r0 + m];
-        const float* sc = &scale[r0 + m];
-        const T* const* a = &arow[r0 + m];
-        if (pn.n == 3) down_rows<T, W, 3>(o, sc, a, rows, w, I, pn.b, q, part);
-        else if (pn.n == 2) down_rows<T, W, 2>(o, sc, a, rows, w, I, pn.b, q, part);
-        else down_rows<T, W, 1>(o, sc, a, rows, w, I, pn.b, q, part);
-      }
-    }
+      row_groups<F::kMaxRows>(rows, pf, [&](int64_t i, auto mr, Prefetch part) {
+        constexpr int MR = decltype(mr)::value;
+        float* const* o = &orow[r + i];
+        const float* sc = &scale[r + i];
+        const T* const* a = &actrow[r + i];
+        if (pn.n == 3) down_micro<T, W, MR, 3>(o, sc, a, w, I, pn.b, q, part);
+        else if (pn.n == 2) down_micro<T, W, MR, 2>(o, sc, a, w, I, pn.b, q, part);
+        else down_micro<T, W, MR, 1>(o, sc, a, w, I, pn.b, q, part);
+      });
+    });
     if constexpr (!f32_out) {
       // Round this thread's columns once (nothing else writes them).
       for (int64_t tok = 0; tok < Tn; ++tok)

@@ -14,52 +14,11 @@ from ctypes import c_float, c_int, c_int64, c_void_p
 import torch
 
 from pagellm.kernels import cpu_build
+from pagellm.kernels.cpu_signatures import RETURNS_INT, SIGNATURES
 from pagellm.kernels.huge_pages import empty_on_huge_pages
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
-_SIGNATURES = {
-    "pagellm_paged_attention": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p,
-                                 c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_int64,
-                                 c_int64, c_int64, c_int64, c_int64, c_float, c_void_p],
-    "pagellm_paged_attention_windowed": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p,
-                                          c_void_p, c_void_p, c_void_p, c_int64, c_void_p,
-                                          c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64,
-                                          c_float, c_int64, c_float, c_void_p],
-    "pagellm_paged_attention_supported": [c_int, c_int64, c_int64, c_int64, c_int64],
-    "pagellm_paged_attention_slices": [c_int, c_int64, c_int64, c_int64, c_int64, c_void_p],
-    "pagellm_kernel_paths": [],
-    "pagellm_linear_available": [],
-    "pagellm_write_kv": [c_int, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_int64,
-                         c_void_p, c_int64, c_int64, c_int64],
-    "pagellm_rms_norm": [c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64,
-                         c_int64, c_float],
-    "pagellm_rotary": [c_int, c_void_p, c_int64, c_int64, c_void_p, c_int64, c_int64, c_void_p,
-                       c_int64, c_void_p, c_void_p, c_int64, c_int64, c_int64],
-    "pagellm_silu_and_mul": [c_int, c_void_p, c_void_p, c_int64, c_int64],
-    "pagellm_argmax_rows": [c_int, c_void_p, c_void_p, c_int64, c_int64, c_int64],
-    "pagellm_linear": [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p, c_int64,
-                       c_int64, c_int64],
-    "pagellm_linear_pack": [c_int, c_void_p, c_void_p, c_int64, c_int64],
-    "pagellm_linear_packed": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p,
-                              c_int64, c_int64, c_int64],
-    "pagellm_linear_packed_available": [c_int, c_int64, c_int64],
-    "pagellm_llama_forward": [c_void_p, c_int64, c_void_p, c_void_p],
-    "pagellm_prefill_attention": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p,
-                                  c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p,
-                                  c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64,
-                                  c_float, c_void_p],
-    "pagellm_prefill_attention_supported": [c_int, c_int64],
-    "pagellm_moe_available": [c_int, c_int64, c_int64],
-    "pagellm_moe_forward": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p,
-                            c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64],
-    "pagellm_moe_forward_int8": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p,
-                                 c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64,
-                                 c_int64, c_int64, c_int64, c_int64],
-    "pagellm_moe_forward_int4": [c_int, c_void_p, c_int64, c_void_p, c_int64, c_void_p,
-                                 c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64,
-                                 c_int64, c_int64, c_int64, c_int64, c_int64],
-}
 
 class CacheBounds(ctypes.Structure):
     """What an attention call may index (``CacheBounds`` in ``cpu_common.h``): block ids below
@@ -123,15 +82,6 @@ class ForwardStep(ctypes.Structure):
                 *((name, c_int64) for name in ("num_blocks", "bt_height", "bt_width"))]
 
 
-# Returning an int (a yes/no or a count); the other entry points return nothing.
-_RETURNS_INT = ("pagellm_linear_available", "pagellm_linear", "pagellm_linear_packed",
-                "pagellm_linear_packed_available", "pagellm_llama_forward",
-                "pagellm_prefill_attention", "pagellm_prefill_attention_supported",
-                "pagellm_paged_attention", "pagellm_paged_attention_windowed",
-                "pagellm_paged_attention_supported",
-                "pagellm_paged_attention_slices", "pagellm_kernel_paths", "pagellm_write_kv",
-                "pagellm_moe_available", "pagellm_moe_forward", "pagellm_moe_forward_int8",
-                "pagellm_moe_forward_int4")
 
 # The kernels' answer for an index outside the cache or the batch (kOutOfBounds).
 _OUT_OF_BOUNDS = -1
@@ -144,10 +94,10 @@ _checked = False
 
 
 def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
-    for name, argtypes in _SIGNATURES.items():
+    for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = c_int if name in _RETURNS_INT else None
+        fn.restype = c_int if name in RETURNS_INT else None
     return lib
 
 
@@ -190,7 +140,7 @@ def available() -> bool:
 
 def library() -> ctypes.CDLL | None:
     """The typed kernel library in use (the ``built_for`` one inside that block), or None:
-    for wrappers kept in their own modules (cpu_moe.py)."""
+    for wrappers kept in their own modules (cpu_moe.py, cpu_kv_quant.py)."""
     return _library()
 
 
