@@ -159,7 +159,17 @@ class ModelConfig:
         from pagellm.models.registry import get_model_cls
 
         model_cls: Any = get_model_cls(self.hf_config)
-        return kv_cache_layout(model_cls.layer_sliding_windows(self.hf_config))
+        return kv_cache_layout(model_cls.layer_sliding_windows(self.hf_config),
+                               model_cls.recurrent_layers(self.hf_config))
+
+    def recurrent_state_shapes(self, tp_size: int) -> list[tuple[tuple[int, ...], bool]]:
+        """Per recurrent layer (all alike), the state tensors of one slot on one TP rank:
+        ``(shape, float32)``, float32 False meaning the model's dtype (worker/state_cache.py);
+        empty for models without recurrent layers."""
+        from pagellm.models.registry import get_model_cls
+
+        model_cls: Any = get_model_cls(self.hf_config)
+        return list(model_cls.recurrent_state_shapes(self.hf_config, tp_size))
 
 
 @dataclass(frozen=True)
@@ -237,6 +247,14 @@ class EngineConfig:
     # model runner that samples.
     logits_processors: tuple[str, ...] = ()
     env: EnvSettings = EnvSettings()  # the environment's settings when the config was made
+
+    @property
+    def num_state_slots(self) -> int:
+        """Recurrent-state slots (core/state_slots.py): one per running sequence for a model
+        with recurrent layers, 0 otherwise."""
+        if not self.model.kv_cache_layout().state_layers:
+            return 0
+        return self.scheduler.max_num_seqs
 
 
 def parse_size(value: str | int | float | None, flag: str = "--kv-cache-memory") -> int | None:

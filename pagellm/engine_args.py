@@ -230,6 +230,7 @@ class EngineArgs:
         source = resolve_model_source(self.model)
         hf_config = load_hf_config(source)
         check_model_shape(hf_config)
+        check_recurrent_combination(hf_config, speculative)
         from pagellm.models.generation_config import load_generation_config
 
         generation = load_generation_config(self.generation_config, source, hf_config)
@@ -284,6 +285,18 @@ class EngineArgs:
             logits_processors=processors,
             env=env,
         )
+
+
+def check_recurrent_combination(hf_config: Any, speculative: Any) -> None:
+    """Refuse what models with recurrent (linear-attention) layers cannot run exactly."""
+    from pagellm.models.registry import get_model_cls
+
+    model_cls: Any = get_model_cls(hf_config)
+    if speculative is not None and model_cls.recurrent_layers(hf_config):
+        raise ValueError(
+            f"--speculative-config cannot be used with {hf_config.architectures[0]}: its "
+            "linear-attention layers carry a recurrent state that rejected draft tokens "
+            "would leave changed (pagellm keeps no per-draft state checkpoints yet).")
 
 
 def check_cache_flags(args: EngineArgs) -> None:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from pagellm.attention.backend import AttentionMetadata
     from pagellm.attention.kv_quant import KVQuant
+    from pagellm.attention.state_metadata import StateMetadata
 
 
 @dataclass(slots=True)
@@ -26,6 +27,11 @@ class ForwardContext:
     # With an 8-bit --kv-cache-dtype, each layer's quantization state (scales) beside its
     # caches, indexed like them; None: float caches.
     kv_quant: list[KVQuant] | None = None
+    # Models with recurrent layers: each such layer's state tensors by layer index
+    # (worker/state_cache.py), and which slot each sequence uses; None without metadata (a
+    # profiling run: the batch is one sequence from zero state) or without such layers.
+    state_caches: dict[int, tuple[torch.Tensor, ...]] | None = None
+    state_metadata: StateMetadata | None = None
 
 
 _context: ForwardContext | None = None
@@ -41,10 +47,12 @@ def set_forward_context(
     attn_metadata: AttentionMetadata | None,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     kv_quant: list[KVQuant] | None = None,
+    state_caches: dict[int, tuple[torch.Tensor, ...]] | None = None,
+    state_metadata: StateMetadata | None = None,
 ) -> Iterator[None]:
     global _context
     prev = _context
-    _context = ForwardContext(attn_metadata, kv_caches, kv_quant)
+    _context = ForwardContext(attn_metadata, kv_caches, kv_quant, state_caches, state_metadata)
     try:
         yield
     finally:

@@ -24,6 +24,32 @@ DEFAULT_CPU_KV_FRACTION = 0.25
 DEFAULT_CPU_KV_CAP = 8 * GiB
 
 
+# With prefix caching on a model with recurrent layers: the share of the KV budget (after the
+# running sequences' state slots) given to state snapshots (core/state_snapshots.py).
+STATE_SNAPSHOT_SHARE = 0.2
+# Tokens between two snapshots: at least one scan chunk (a snapshot splits the scan there), at
+# most this many (a hit recomputes up to one interval).
+STATE_SNAPSHOT_INTERVAL_TOKENS = (64, 512)
+
+
+def state_snapshot_plan(num_blocks: int, block_bytes: int, slot_bytes: int,
+                        block_size: int) -> tuple[int, int]:
+    """``(snapshot slots, interval in blocks)`` for a pool of ``num_blocks`` KV blocks: the
+    snapshots take STATE_SNAPSHOT_SHARE of what blocks and snapshots take together, one every
+    ``interval`` blocks: as many as cover the whole pool's worth of tokens, within
+    STATE_SNAPSHOT_INTERVAL_TOKENS. Where they cover less, LRU eviction keeps the newest (the
+    end of each recent history; earlier ones are never hit again). A function of the block
+    count alone, so the scheduler finds the worker's numbers again."""
+    if slot_bytes <= 0 or num_blocks <= 0:
+        return 0, 1
+    share = STATE_SNAPSHOT_SHARE / (1 - STATE_SNAPSHOT_SHARE)
+    slots = int(num_blocks * block_bytes * share // slot_bytes)
+    if slots < 1:
+        return 0, 1
+    lo, hi = (max(1, -(-t // block_size)) for t in STATE_SNAPSHOT_INTERVAL_TOKENS)
+    return slots, min(max(-(-num_blocks // slots), lo), hi)
+
+
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     """K/V heads split across ranks; replicated when there are fewer heads than ranks."""
     return max(1, num_kv_heads // tp_size)

@@ -18,7 +18,14 @@ import pytest
 from tiny_tokenizer import CHAT_TEMPLATE, build_test_tokenizer  # noqa: F401 (re-exported)
 
 TINY_ARCHS = ("llama", "llama-tied", "llama-rope3", "qwen2", "mistral", "qwen3", "phi3",
-              "mixtral", "qwen3-moe")
+              "mixtral", "qwen3-moe", "qwen3-next", "qwen3.5", "qwen3.5-moe", "granite4",
+              "nemotron-h")
+# Mamba-2 hybrids: their A_log / D / dt_bias (fixed at init) get random values too.
+MAMBA_ARCHS = ("granite4", "nemotron-h")
+
+# Hybrid linear-attention layers: Gated DeltaNet, full attention, Gated DeltaNet, full attention.
+HYBRID_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention",
+                      "full_attention"]
 
 def tiny_config(arch: str = "llama", **overrides: Any) -> Any:
     """A transformers config for a 2-layer model with GQA (4 query heads, 2 KV heads)."""
@@ -98,6 +105,66 @@ def tiny_config(arch: str = "llama", **overrides: Any) -> Any:
                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
         cfg.update(overrides)
         return Qwen3MoeConfig(**cfg)
+    if arch in ("qwen3-next", "qwen3.5", "qwen3.5-moe"):
+        # Qwen3-Next: 2 key heads serving 4 value heads, conv kernel 4, partial rotary 0.25, MoE
+        # with a shared expert on layers 0, 2, 3 (layer 1 dense). Qwen3.5: the dense text model.
+        linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16, linear_conv_kernel_dim=4, head_dim=32,
+                      num_hidden_layers=4, layer_types=HYBRID_LAYER_TYPES,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                       "partial_rotary_factor": 0.25})
+        if arch == "qwen3-next":
+            from transformers import Qwen3NextConfig
+
+            cfg = dict(common, **linear, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)
+            cfg.update(overrides)
+            return Qwen3NextConfig(**cfg)
+        if arch == "qwen3.5-moe":  # every layer sparse, top-k always renormalized
+            from transformers import Qwen3_5MoeTextConfig
+
+            cfg = dict(common, **linear, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=48)
+            cfg.update(overrides)
+            return Qwen3_5MoeTextConfig(**cfg)
+        from transformers import Qwen3_5TextConfig
+
+        cfg = dict(common, **linear)
+        cfg.update(overrides)
+        return Qwen3_5TextConfig(**cfg)
+    mamba = dict(hidden_size=64, vocab_size=common["vocab_size"], num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256,
+                 initializer_range=0.25, tie_word_embeddings=False,
+                 **{k: common[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    if arch == "granite4":
+        # Mamba-2, attention, Mamba-2, attention; 4 heads x 32, 2 B/C groups, SSD chunk 32;
+        # MoE (4 experts, top-2) + shared MLP; Granite's four scalars away from 1.
+        from transformers import GraniteMoeHybridConfig
+
+        cfg = dict(mamba, num_hidden_layers=4, layer_types=["mamba", "attention"] * 2,
+                   intermediate_size=32, rms_norm_eps=1e-5, mamba_n_heads=4, mamba_d_head=32,
+                   mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=32,
+                   num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48,
+                   embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                   logits_scaling=2.5, position_embedding_type="rope",
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cfg.update(overrides)
+        return GraniteMoeHybridConfig(**cfg)
+    if arch == "nemotron-h":
+        # Mamba-2, MoE, attention, Mamba-2, MLP: the attention and the second Mamba-2 layer
+        # are caches 1 and 2. MoE: 4 experts in 2 groups, the best group's top-2.
+        from transformers import NemotronHConfig
+
+        cfg = dict(mamba, head_dim=16, intermediate_size=96, layer_norm_epsilon=1e-5,
+                   layers_block_type=["linear_attention", "moe", "full_attention",
+                                      "linear_attention", "mlp"],
+                   mamba_num_heads=4, mamba_head_dim=32, n_groups=2, ssm_state_size=16,
+                   conv_kernel=4, chunk_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2,
+                   topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5)
+        cfg.update(overrides)
+        return NemotronHConfig(**cfg)
     raise ValueError(f"unknown tiny arch {arch!r}; one of {TINY_ARCHS}")
 
 
@@ -114,10 +181,18 @@ def write_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
     # Non-trivial norm weights, so a loader that skips them cannot pass.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if ("norm" in name and arch in ("qwen3-next", "qwen3.5", "qwen3.5-moe")
+                    and ".linear_attn." not in name):
+                p.uniform_(-0.5, 0.5)  # these norms scale by 1 + weight
+            elif "norm" in name:
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.1)
+            elif arch in MAMBA_ARCHS and name.endswith((".A_log", ".D", ".dt_bias")):
+                p.uniform_(-1.0, 1.0)
+        for name, b in model.named_buffers():
+            if name.endswith(".e_score_correction_bias"):  # Nemotron-H's router
+                b.uniform_(-0.1, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     build_test_tokenizer().save_pretrained(path)
     return path

@@ -16,6 +16,12 @@ of that group's blocks unused), as vLLM does.
 
 A model whose layers are all of one type has a single group (the original layout: one tensor
 per layer, one block table); a windowed one still frees blocks behind its window.
+
+Recurrent layers (Gated DeltaNet, Mamba-2: ``state_layers``) keep no per-token KV: each request
+holds one fixed-size *state slot* per step instead (the conv window and the recurrent state of
+every such layer, worker/state_cache.py), from a pool of slots the KV cache manager hands out
+beside the blocks (core/state_slots.py). They form the layout's state group; the attention
+layers alone make the block groups above, and ``tensor_of_layer`` is -1 for a state layer.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ class KVCacheLayout:
     # Per model layer: its group and the tensor its K/V live in.
     group_of_layer: tuple[int, ...]
     tensor_of_layer: tuple[int, ...]
+    # Model layers with recurrent state instead of KV (group and tensor -1 above).
+    state_layers: tuple[int, ...] = ()
 
     @property
     def num_groups(self) -> int:
@@ -62,23 +70,29 @@ class KVCacheLayout:
         return total
 
 
-def kv_cache_layout(layer_windows: list[int | None]) -> KVCacheLayout:
+def kv_cache_layout(layer_windows: list[int | None],
+                    state_layers: tuple[int, ...] = ()) -> KVCacheLayout:
     """The groups of layers with these sliding windows (None: full attention), in first-layer
-    order; a single group (one tensor per layer) when every layer is of one type."""
+    order; a single group (one tensor per attention layer) when every attention layer is of one
+    type. ``state_layers``: layers with recurrent state instead (their window is ignored)."""
     n = len(layer_windows)
-    if n == 0:
+    state = tuple(sorted(set(state_layers)))
+    attention = [i for i in range(n) if i not in state]
+    if not attention:
         raise ValueError("a model needs at least one attention layer")
     types: dict[int | None, list[int]] = {}
-    for i, window in enumerate(layer_windows):
-        types.setdefault(window, []).append(i)
+    for i in attention:
+        types.setdefault(layer_windows[i], []).append(i)
+    group_of = [-1] * n
+    tensor_of = [-1] * n
     if len(types) == 1:
-        window = layer_windows[0]
-        return KVCacheLayout((KVCacheGroup(tuple(range(n)), window),), n, (0,) * n,
-                             tuple(range(n)))
+        window = layer_windows[attention[0]]
+        for slot, layer in enumerate(attention):
+            group_of[layer], tensor_of[layer] = 0, slot
+        return KVCacheLayout((KVCacheGroup(tuple(attention), window),), len(attention),
+                             tuple(group_of), tuple(tensor_of), state)
     group_size = min(len(layers) for layers in types.values())
     groups: list[KVCacheGroup] = []
-    group_of = [0] * n
-    tensor_of = [0] * n
     for window, layers in types.items():
         for start in range(0, len(layers), group_size):
             members = tuple(layers[start:start + group_size])
@@ -86,7 +100,7 @@ def kv_cache_layout(layer_windows: list[int | None]) -> KVCacheLayout:
                 group_of[layer] = len(groups)
                 tensor_of[layer] = slot
             groups.append(KVCacheGroup(members, window))
-    return KVCacheLayout(tuple(groups), group_size, tuple(group_of), tuple(tensor_of))
+    return KVCacheLayout(tuple(groups), group_size, tuple(group_of), tuple(tensor_of), state)
 
 
 def num_skipped_blocks(num_computed_tokens: int, sliding_window: int | None,

@@ -14,6 +14,8 @@ from pagellm.core.block_hash import (
 from pagellm.core.block_pool import BlockPool, KVCacheBlock
 from pagellm.core.kv_cache_groups import num_skipped_blocks
 from pagellm.core.kv_events import KVCacheEvent
+from pagellm.core.state_slots import StateSlotPool
+from pagellm.core.state_snapshots import StateSnapshotCache
 from pagellm.request import Request
 
 logger = logging.getLogger("pagellm")
@@ -42,6 +44,14 @@ class KVCacheManager:
     their place) before each allocation. Prefix caching is off with several groups (a hit would
     need every group's blocks); a single windowed group keeps it: a hit is a chain of cached
     blocks whose K/V are all still there.
+
+    Recurrent layers (``num_state_slots`` > 0, core/state_slots.py): every scheduled request
+    also holds one state slot, taken by its first allocation (which fails, changing nothing,
+    when none is free) and returned by ``free``. A prefix hit also needs the recurrent state at
+    the hit's end: with ``num_snapshot_slots`` the state is snapshotted every
+    ``snapshot_interval_blocks`` blocks (core/state_snapshots.py) and a hit is cut back to the
+    nearest snapshot; ``take_state_plan`` says which snapshot a request resumes from and
+    which ones its step writes. Without snapshot slots prefix caching is off for such models.
     """
 
     def __init__(
@@ -54,6 +64,9 @@ class KVCacheManager:
         group_windows: list[int | None] | None = None,
         enable_kv_cache_events: bool = False,
         kv_dtype_key: str | None = None,
+        num_state_slots: int = 0,
+        num_snapshot_slots: int = 0,
+        snapshot_interval_blocks: int = 1,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
@@ -64,6 +77,21 @@ class KVCacheManager:
             logger.info("Prefix caching is disabled: the model keeps KV in %d groups (full and "
                         "sliding-window layers)", self.num_groups)
             enable_caching = False
+        self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
+        self.snapshots: StateSnapshotCache | None = None
+        if self.state_slots is not None and enable_caching:
+            if num_snapshot_slots:
+                # Snapshot slots follow the running ones in the state tensors.
+                self.snapshots = StateSnapshotCache(num_snapshot_slots, num_state_slots,
+                                                    snapshot_interval_blocks)
+            else:
+                logger.info("Prefix caching is disabled: the model has recurrent (linear "
+                            "attention) layers and no state snapshot slots")
+                enable_caching = False
+        # req_id -> the snapshot slot its state starts from (a hit) / the (tokens, slot)
+        # snapshots this step writes, until the scheduler takes them (take_state_plan).
+        self._state_restores: dict[str, int] = {}
+        self._state_checkpoints: dict[str, list[tuple[int, int]]] = {}
         # Stands in a windowed group's table for a block freed behind the window.
         self.null_block = KVCacheBlock(-1)
         # req_id -> tables of groups 1.. (only with several groups).
@@ -133,6 +161,11 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
+        if self.snapshots is not None:
+            # Recurrent layers resume from a state snapshot: the hit ends at the last one.
+            num_blocks, slot = self.snapshots.lookup(hashes, len(blocks))
+            blocks = blocks[:num_blocks]
+            self._state_restores[request.request_id] = slot
         num_hit_tokens = len(blocks) * self.block_size
         if self.enable_caching:
             self._pending_stats[request.request_id] = (request.num_tokens, num_hit_tokens)
@@ -170,6 +203,8 @@ class KVCacheManager:
         if (max(num_new_blocks, 0) * self.num_groups + num_revived
                 > self.block_pool.get_num_free_blocks()):
             return None
+        if self.state_slots is not None and self.state_slots.ensure(req_id) is None:
+            return None
 
         if new_computed_blocks:
             assert not req_blocks, "prefix hits only at a request's (re)start"
@@ -190,6 +225,9 @@ class KVCacheManager:
             self.prefix_cache_hits += pending[1]
 
         hashes = self._block_hashes(request)
+        if self.snapshots is not None and hashes is not None:
+            self._plan_snapshots(req_id, hashes, num_computed,
+                                 min(num_total, request.num_tokens))
         if hashes is not None:
             # A block is cached once all its tokens are known (its K/V is what a later prompt
             # with those tokens needs); one holding unknown slots waits for a later allocation.
@@ -201,11 +239,34 @@ class KVCacheManager:
                 self.num_cached_blocks[req_id] = num_full
         return new_blocks
 
+    def _plan_snapshots(self, req_id: str, hashes: list[BlockHash], num_computed: int,
+                        known_end: int) -> None:
+        """Reserve the snapshots at the interval's block boundaries that this allocation's
+        tokens (``num_computed`` .. ``known_end``, known tokens only) cross."""
+        assert self.snapshots is not None
+        bs = self.block_size
+        plan = self._state_checkpoints.setdefault(req_id, [])
+        for num_blocks in self.snapshots.positions(num_computed // bs, known_end // bs):
+            slot = self.snapshots.reserve(hashes[num_blocks - 1])
+            if slot is not None:
+                plan.append((num_blocks * bs - num_computed, slot))
+
+    def take_state_plan(self, req_id: str) -> tuple[int, list[tuple[int, int]]]:
+        """``(restore_slot, checkpoints)`` of the request's allocation this step: the snapshot
+        slot its state starts from (-1: none) and the ``(tokens, slot)`` snapshots to write
+        after that many of its new tokens."""
+        return (self._state_restores.pop(req_id, -1),
+                self._state_checkpoints.pop(req_id, None) or [])
+
     def begin_step(self) -> None:
         """A new step is being scheduled. The blocks hashed for the one before are kept aside:
         with async scheduling that step may still be running (see ``uncache_step``)."""
         self._hashed_prev_step = self._hashed_this_step
         self._hashed_this_step = []
+        if self.snapshots is not None:
+            self.snapshots.begin_step()
+            self._state_restores.clear()  # lookups of requests that found no blocks
+            self._state_checkpoints.clear()
 
     def uncache_step(self, include_previous: bool = False) -> None:
         """The step scheduled since ``begin_step()`` failed: no forward wrote the blocks it
@@ -215,6 +276,8 @@ class KVCacheManager:
         both were in flight and both steps' requests fail)."""
         self.block_pool.uncache_blocks(self._hashed_this_step)
         self._hashed_this_step = []
+        if self.snapshots is not None:
+            self.snapshots.uncache_step(include_previous)
         if include_previous:
             self.block_pool.uncache_blocks(self._hashed_prev_step)
             self._hashed_prev_step = []
@@ -230,6 +293,16 @@ class KVCacheManager:
         self.req_to_block_hashes.pop(req_id, None)
         self.num_cached_blocks.pop(req_id, None)
         self._pending_stats.pop(req_id, None)
+        if self.state_slots is not None:
+            self.state_slots.release(req_id)
+
+    def get_state_slot(self, req_id: str) -> int:
+        """The request's state slot (-1: the model has no recurrent layers)."""
+        if self.state_slots is None:
+            return -1
+        slot = self.state_slots.slot_of(req_id)
+        assert slot is not None, f"{req_id} holds no state slot"
+        return slot
 
     def get_blocks(self, req_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(req_id, [])
@@ -272,7 +345,10 @@ class KVCacheManager:
             self.block_pool.free_blocks(freed)
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        done = self.block_pool.reset_prefix_cache()
+        if done and self.snapshots is not None:
+            self.snapshots.reset()
+        return done
 
     def take_events(self) -> list[KVCacheEvent]:
         """The block pool's KV cache events since the last call (engine/kv_events.py)."""

@@ -24,6 +24,12 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     group_block_ids: list[list[int]] = field(default_factory=list)
+    # Models with recurrent layers: the request's state slot (core/state_slots.py), held until
+    # it finishes or is preempted; -1 otherwise.
+    state_slot: int = -1
+    # A prefix hit on such a model: the snapshot slot whose state it resumes from (copied into
+    # ``state_slot`` before the step; core/state_snapshots.py), or -1.
+    state_restore_slot: int = -1
 
 
 @dataclass(slots=True)
@@ -55,6 +61,9 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> the draft tokens scheduled after its last known token
     # (counted in num_scheduled_tokens); the runner verifies them.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Recurrent-state snapshots (core/state_snapshots.py): req_id -> [(n, slot)], the state
+    # after the request's first n new tokens of this step is copied into that slot.
+    state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

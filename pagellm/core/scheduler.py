@@ -17,6 +17,7 @@ from pagellm.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagellm.core.stop_check import accept_grammar_token, check_stop
 from pagellm.metrics.stats import SchedulerStats, SpecDecodingStats
 from pagellm.request import Request, RequestStatus
 
@@ -66,11 +67,16 @@ class Scheduler:
         kv_group_windows: list[int | None] | None = None,
         speculative_config: Any = None,
         enable_kv_cache_events: bool = False,
+        num_state_slots: int = 0,
+        state_snapshots: tuple[int, int] = (0, 1),
     ) -> None:
         """``kv_group_windows``: the sliding window of each KV cache group
         (core/kv_cache_groups.py; None: one group of full attention). ``speculative_config``:
         a SpeculativeConfig (spec_decode/config.py) or None. ``enable_kv_cache_events``: the
-        block pool records KV cache events (taken with ``kv_cache_manager.take_events()``)."""
+        block pool records KV cache events (taken with ``kv_cache_manager.take_events()``).
+        ``num_state_slots``: the recurrent-state slots of a model with recurrent layers
+        (core/state_slots.py; 0: none); ``state_snapshots``: their prefix-cache snapshots
+        (slots, interval in blocks) (core/state_snapshots.py)."""
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -85,6 +91,9 @@ class Scheduler:
             group_windows=kv_group_windows,
             enable_kv_cache_events=enable_kv_cache_events,
             kv_dtype_key=_kv_dtype_key(cache_config),
+            num_state_slots=num_state_slots,
+            num_snapshot_slots=state_snapshots[0],
+            snapshot_interval_blocks=state_snapshots[1],
         )
         self.policy = getattr(scheduler_config, "policy", "fcfs")
         self.async_scheduling = getattr(scheduler_config, "async_scheduling", False)
@@ -139,6 +148,7 @@ class Scheduler:
         cached = CachedRequestData()
         preempted: set[str] = set()
         self._scheduled_drafts = {}
+        self._state_checkpoints: dict[str, list[tuple[int, int]]] = {}
         threshold = self.long_prefill_token_threshold
         # A request alone has nobody to keep waiting: it may take the whole budget (as vLLM).
         self._chunk_cap = (threshold if threshold > 0 and len(self.running) + len(self.waiting) > 1
@@ -156,9 +166,18 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
             scheduled_spec_decode_tokens=self._scheduled_drafts,
+            state_checkpoints=self._state_checkpoints,
         )
         self.finished_req_ids = set()
         return out
+
+    def _take_state_plan(self, req_id: str) -> int:
+        """Note the state snapshots the request's step writes; returns the snapshot slot it
+        resumes from (-1: none). Models without recurrent layers have neither."""
+        restore, checkpoints = self.kv_cache_manager.take_state_plan(req_id)
+        if checkpoints:
+            self._state_checkpoints[req_id] = checkpoints
+        return restore
 
     def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
                           cached: CachedRequestData, preempted: set[str]) -> int:
@@ -210,6 +229,7 @@ class Scheduler:
                 cached.new_group_block_ids.append(
                     kv.get_other_group_block_ids(request.request_id, last=len(new_blocks)))
             cached.num_computed_tokens.append(request.num_computed_tokens)
+            self._take_state_plan(request.request_id)
             num_scheduled[request.request_id] = num_new
             request.num_computed_tokens += num_new
             self._count_placeholder(request)
@@ -239,6 +259,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
+            restore = self._take_state_plan(request.request_id)
             new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -248,6 +269,8 @@ class Scheduler:
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit,
                     group_block_ids=kv.get_other_group_block_ids(request.request_id),
+                    state_slot=kv.get_state_slot(request.request_id),
+                    state_restore_slot=restore,
                 )
             )
             num_scheduled[request.request_id] = num_new
@@ -352,12 +375,12 @@ class Scheduler:
                 self._rollback_rejected(request, len(drafts), len(sampled) - 1)
             new_token_ids: list[int] = []
             for token_id in sampled:
-                if request.grammar is not None and not self._accept_grammar_token(request,
+                if request.grammar is not None and not accept_grammar_token(request,
                                                                                   token_id):
                     break  # finished with an error; the token is not part of the output
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
-                if self._check_stop(request):
+                if check_stop(request, self.max_model_len):
                     break
             lp = runner_output.logprobs[i] if i < len(runner_output.logprobs) else None
             new_logprobs: list[Logprobs] = (lp[:len(new_token_ids)] if isinstance(lp, list)
@@ -390,41 +413,6 @@ class Scheduler:
         request.num_computed_tokens -= num_drafts - num_accepted
         if self.spec_stats is not None:
             self.spec_stats.observe(num_drafts, num_accepted)
-
-    def _accept_grammar_token(self, request: Request, token_id: int) -> bool:
-        """Feed a sampled token to the request's grammar; False (and FINISHED_ERROR) when the
-        grammar refuses it, which only a row with no allowed token at all can sample."""
-        if request.grammar.accept_token(token_id):
-            return True
-        logger.error("Request %s sampled token %d, which its grammar does not allow; finishing "
-                     "it with an error.", request.request_id, token_id)
-        request.status = RequestStatus.FINISHED_ERROR
-        return False
-
-    def _check_stop(self, request: Request) -> bool:
-        """Set a finished status if the last token ends the request."""
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if request.grammar is not None and request.grammar.is_terminated():
-            # The grammar's output is complete (it accepted a stop token). It may end short of
-            # min_tokens: the bitmask allowed the end early only when nothing else was possible.
-            request.status = RequestStatus.FINISHED_STOPPED
-            if last in (params.stop_token_ids or ()):
-                request.stop_reason = last
-            return True
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in (params.stop_token_ids or ()):
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return True
-        if (request.num_output_tokens >= request.max_tokens
-                or request.num_tokens >= self.max_model_len):
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string): their blocks are freed now and their

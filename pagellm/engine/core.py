@@ -30,6 +30,7 @@ from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import FinishReason, Request, RequestStatus
 from pagellm.structured_output.compiler import GrammarCompiler, grammar_compiler_for
 from pagellm.structured_output.manager import StructuredOutputManager
+from pagellm.worker.state_cache import snapshot_layout
 
 logger = logging.getLogger("pagellm")
 
@@ -66,7 +67,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
                                    config.model.kv_cache_layout().windows,
                                    speculative_config=config.speculative_config,
-                                   enable_kv_cache_events=kv_events_enabled(config))
+                                   enable_kv_cache_events=kv_events_enabled(config),
+                                   num_state_slots=config.num_state_slots,
+                                   state_snapshots=snapshot_layout(config, num_blocks))
         self.num_blocks = num_blocks
         self.stats = IterationStats()
         self.num_consecutive_step_failures = 0

@@ -196,6 +196,18 @@ class LlamaForCausalLM(nn.Module):
             return None
         return int(window)
 
+    @staticmethod
+    def recurrent_layers(config: Any) -> tuple[int, ...]:
+        """Layers with recurrent state instead of KV (linear attention, Mamba): none here."""
+        return ()
+
+    @staticmethod
+    def recurrent_state_shapes(config: Any, tp_size: int) -> tuple[tuple[tuple[int, ...], bool],
+                                                                    ...]:
+        """Per recurrent layer, its state tensors' ``(shape, float32)`` for one slot on one TP
+        rank (see ModelConfig.recurrent_state_shapes)."""
+        return ()
+
     @classmethod
     def layer_sliding_windows(cls, config: Any) -> list[int | None]:
         """Each layer's sliding window (None: full attention). A config's ``layer_types``

@@ -109,7 +109,24 @@ def load_hf_config(src: ModelSource) -> Any:
                 config.architectures = [arch]
         gguf_cache.save_part(src.gguf_path, gguf_cache.CONFIG, config.save_pretrained)
         return config
-    return AutoConfig.from_pretrained(src.path, local_files_only=True)
+    return text_model_config(AutoConfig.from_pretrained(src.path, local_files_only=True))
+
+
+def text_model_config(config: Any) -> Any:
+    """For an image-text checkpoint served text-only (registry.TEXT_ONLY_ARCHITECTURES), its
+    language model's config, named by the checkpoint's architecture; else ``config``."""
+    from pagellm.models.registry import TEXT_ONLY_ARCHITECTURES
+
+    archs = list(getattr(config, "architectures", None) or [])
+    text = getattr(config, "text_config", None)
+    if text is None or not any(a in TEXT_ONLY_ARCHITECTURES for a in archs):
+        return config
+    text.architectures = archs
+    if getattr(text, "dtype", None) is None and getattr(config, "dtype", None) is not None:
+        text.dtype = config.dtype
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)
+                                    or getattr(text, "tie_word_embeddings", False))
+    return text
 
 
 def _gguf_chat_template(gguf_path: str) -> str | None:

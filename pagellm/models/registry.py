@@ -18,7 +18,19 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("granite_hybrid", "GraniteMoeHybridForCausalLM"),
+    "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
+    # Served text-only (their language model; load_hf_config keeps its config).
+    "Qwen3_5ForConditionalGeneration": ("qwen3_next", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_next", "Qwen3_5ForCausalLM"),
 }
+
+# Image-text checkpoints whose language model is served alone (images are refused).
+TEXT_ONLY_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration",
+                           "Qwen3_5MoeForConditionalGeneration")
 
 # Configs read from GGUF files carry a model_type but no `architectures`.
 _MODEL_TYPES: dict[str, str] = {
@@ -31,6 +43,11 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 }
 
 

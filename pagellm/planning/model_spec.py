@@ -8,6 +8,7 @@ into objects, which takes seconds; this reader skips them and stops before the t
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -53,6 +54,15 @@ class ModelSpec:
     # Each layer's sliding window (None: full attention); empty: all full (unknown family).
     layer_windows: tuple[int | None, ...] = ()
     norms_per_layer: int = 2  # hidden-size RMSNorms per layer (Gemma 2/3: 4)
+    # Hybrid models (Qwen3-Next, Qwen3.5, Granite 4, Nemotron-H): the layers with recurrent
+    # state instead of KV, the parameters of one such layer's token mixer, and one state
+    # slot of one such layer in (model-dtype, float32) elements; all at tensor parallel 1
+    # (they split evenly over ranks).
+    recurrent_layers: tuple[int, ...] = ()
+    recurrent_params: int = 0
+    recurrent_state: tuple[int, int] = (0, 0)
+    attention_output_gate: bool = False  # q_proj also yields a gate per head (Qwen3-Next)
+    shared_expert_intermediate_size: int = 0  # a shared expert beside the routed ones
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,15 +86,18 @@ class ModelSpec:
             experts, top_k, moe_inter, moe_layers = moe(c) if moe else (0, 0, 0, 0)
             windows = tuple(model_cls.layer_sliding_windows(c))
             norms = int(getattr(model_cls, "norms_per_layer", 2))
+            hybrid = hybrid_fields(model_cls, c)
         except ValueError:
             experts, top_k, moe_inter, moe_layers, windows, norms = 0, 0, 0, 0, (), 2
+            hybrid = {}
             bias = bool(getattr(c, "attention_bias", False))
             qkv_bias, o_bias, supported, qk_norm = bias, bias, False, False
             arch = (getattr(c, "architectures", None) or [getattr(c, "model_type", "?")])[0]
         dtype = hf_config_dtype(c)
         return cls(
             name=name, architecture=arch, vocab_size=int(c.vocab_size),
-            hidden_size=int(c.hidden_size), intermediate_size=int(c.intermediate_size),
+            hidden_size=int(c.hidden_size),
+            intermediate_size=int(getattr(c, "intermediate_size", 0) or 0),  # all-MoE: none
             num_layers=int(c.num_hidden_layers), num_heads=heads,
             num_kv_heads=int(getattr(c, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(c, "head_dim", None) or c.hidden_size // heads),
@@ -94,7 +107,24 @@ class ModelSpec:
             checkpoint_bytes=checkpoint_bytes, engine_supported=supported, qk_norm=qk_norm,
             num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_inter,
             moe_layers=moe_layers, layer_windows=windows, norms_per_layer=norms,
-            config_dtype=str(dtype).removeprefix("torch.") if dtype else None)
+            config_dtype=str(dtype).removeprefix("torch.") if dtype else None, **hybrid)
+
+
+def hybrid_fields(model_cls: Any, c: Any) -> dict[str, Any]:
+    """ModelSpec's hybrid-model fields, from the model class (empty for other models)."""
+    layers = tuple(model_cls.recurrent_layers(c))
+    fields: dict[str, Any] = {
+        "attention_output_gate": bool(getattr(model_cls, "attention_output_gate", False)),
+        "shared_expert_intermediate_size":
+            int(getattr(c, "shared_expert_intermediate_size", 0) or 0)}
+    if not layers:
+        return fields
+    shapes = model_cls.recurrent_state_shapes(c, 1)
+    state = (sum(math.prod(sh) for sh, fp32 in shapes if not fp32),
+             sum(math.prod(sh) for sh, fp32 in shapes if fp32))
+    return dict(fields, recurrent_layers=layers,
+                recurrent_params=int(model_cls.recurrent_layer_params(c)),
+                recurrent_state=state)
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Any
 from pagellm.core.kv_cache_groups import KVCacheLayout, kv_cache_layout
 from pagellm.kv_cache_dtype import parse_kv_cache_dtype
 from pagellm.memory_plan import (
+    STATE_SNAPSHOT_SHARE,
     KVCachePlan,
     MemoryBudget,
     cpu_memory_budget,
     cuda_memory_budget,
     kv_bytes_per_token,
     plan_kv_cache,
+    state_snapshot_plan,
 )
 from pagellm.planning.devices import (
     DeviceTarget,
@@ -56,6 +58,8 @@ class PlanSettings:
     # whose weights and cache share the budget as in the engine (worker/kv_cache.py).
     draft: ModelSpec | None = None
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype (pagellm/kv_cache_dtype.py)
+    # Hybrid models keep state snapshots for prefix caching (core/state_snapshots.py).
+    enable_prefix_caching: bool = False
 
     @property
     def dtype_bytes(self) -> int:
@@ -85,6 +89,13 @@ class RankPlan:
     # bytes per token, both inside the totals above (its blocks share the target's ids).
     draft_weight_bytes: int = 0
     draft_kv_bytes_per_token: int = 0
+    # Hybrid models: one state slot's bytes (every recurrent layer), the running sequences'
+    # slots' bytes (max_num_seqs + a scratch slot), and with prefix caching the snapshot
+    # slots and the tokens between two snapshots; all from the KV budget.
+    state_slot_bytes: int = 0
+    state_bytes: int = 0
+    snapshot_slots: int = 0
+    snapshot_interval_tokens: int = 0
 
     @property
     def window_saving(self) -> float:
@@ -116,6 +127,9 @@ class RankPlan:
             "sliding_window_saving": round(self.window_saving, 4),
             "draft_weight_bytes": self.draft_weight_bytes,
             "draft_kv_bytes_per_token": self.draft_kv_bytes_per_token,
+            "state_slot_bytes": self.state_slot_bytes, "state_bytes": self.state_bytes,
+            "state_snapshot_slots": self.snapshot_slots,
+            "state_snapshot_interval_tokens": self.snapshot_interval_tokens,
         }
 
 
@@ -149,7 +163,14 @@ class PlanReport:
 def _kv_layout(spec: ModelSpec) -> KVCacheLayout:
     """KV cache groups as the engine forms them (core/kv_cache_groups.py): a block holds
     group_size layers; a windowed group keeps only its window of a request."""
-    return kv_cache_layout(list(spec.layer_windows) or [None] * spec.num_layers)
+    windows = list(spec.layer_windows) or [None] * spec.num_layers
+    return kv_cache_layout(windows, spec.recurrent_layers)
+
+
+def state_slot_bytes(spec: ModelSpec, dtype_bytes: int, tp: int) -> int:
+    """One state slot over every recurrent layer on one rank (worker/state_cache.py)."""
+    model_elems, fp32_elems = spec.recurrent_state
+    return len(spec.recurrent_layers) * (model_elems * dtype_bytes + fp32_elems * 4) // tp
 
 
 def plan_rank(spec: ModelSpec, device: DeviceTarget, s: PlanSettings, rank: int = 0) -> RankPlan:
@@ -177,15 +198,29 @@ def plan_rank(spec: ModelSpec, device: DeviceTarget, s: PlanSettings, rank: int 
     windowed = any(w is not None for w in layout.windows)
     request_blocks = (layout.blocks_for_tokens(s.max_model_len, s.block_size,
                                                s.max_num_batched_tokens) if windowed else 0)
-    kv = plan_kv_cache(budget.kv_budget_bytes, per_token, s.block_size, s.max_model_len,
+    # As worker/kv_cache.plan_for_device: running state slots first, then the snapshots'
+    # share, then blocks.
+    slot = state_slot_bytes(spec, s.dtype_bytes, tp)
+    state = slot * (s.max_num_seqs + 1) if slot else 0
+    snapshots = bool(slot and s.enable_prefix_caching)
+    blocks_budget = max(0, budget.kv_budget_bytes - state)
+    if snapshots:
+        blocks_budget = int(blocks_budget * (1 - STATE_SNAPSHOT_SHARE))
+    kv = plan_kv_cache(blocks_budget, per_token, s.block_size, s.max_model_len,
                        s.num_gpu_blocks_override, request_blocks)
-    full_per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+    snap_slots, interval = (state_snapshot_plan(kv.num_blocks, kv.bytes_per_block, slot,
+                                                s.block_size)
+                            if snapshots else (0, 1))
+    attention_layers = (len(spec.layer_windows) or spec.num_layers) - len(spec.recurrent_layers)
+    full_per_token = kv_bytes_per_token(attention_layers, spec.num_kv_heads, spec.head_dim,
                                         s.kv_value_bytes, tp, s.kv_scale_bytes) + draft_per_token
     full_blocks = -(-s.max_model_len // s.block_size)
     return RankPlan(rank, weights, budget, kv,
                     request_kv_bytes=kv.blocks_per_max_len_request * kv.bytes_per_block,
                     request_kv_bytes_full=full_blocks * s.block_size * full_per_token,
-                    draft_weight_bytes=draft_weights, draft_kv_bytes_per_token=draft_per_token)
+                    draft_weight_bytes=draft_weights, draft_kv_bytes_per_token=draft_per_token,
+                    state_slot_bytes=slot, state_bytes=state, snapshot_slots=snap_slots,
+                    snapshot_interval_tokens=interval * s.block_size if snap_slots else 0)
 
 
 def plan_ranks(spec: ModelSpec, device: DeviceTarget, s: PlanSettings) -> list[RankPlan]:
@@ -225,7 +260,8 @@ def resolve_settings(args: EngineArgs, spec: ModelSpec, device: DeviceTarget,
         kv_cache_memory=parse_size(args.kv_cache_memory),
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         draft=draft_model_spec(speculative),
-        kv_cache_dtype=parse_kv_cache_dtype(args.kv_cache_dtype).name)
+        kv_cache_dtype=parse_kv_cache_dtype(args.kv_cache_dtype).name,
+        enable_prefix_caching=bool(args.enable_prefix_caching))
 
 
 @dataclass(frozen=True)
@@ -271,7 +307,8 @@ def planned_for_engine(config: EngineConfig, measured: MemoryBudget) -> RankPlan
         max_num_batched_tokens=sch.max_num_batched_tokens, block_size=c.block_size,
         gpu_memory_utilization=c.gpu_memory_utilization, kv_cache_memory=c.kv_cache_memory,
         num_gpu_blocks_override=c.num_gpu_blocks_override,
-        draft=draft_model_spec(config.speculative_config), kv_cache_dtype=c.cache_dtype)
+        draft=draft_model_spec(config.speculative_config), kv_cache_dtype=c.cache_dtype,
+        enable_prefix_caching=c.enable_prefix_caching)
     total = measured.total_bytes + (measured.weight_bytes if kind == "cpu" else 0)
     target = DeviceTarget(str(config.device.device), kind, total, "this device")
     return plan_rank(spec, target, settings)

@@ -93,6 +93,15 @@ def format_report(report: PlanReport) -> str:
                      fmt_bytes(r0.request_kv_bytes)])
         rows.append([f"  if no layer slid (saving {100 * r0.window_saving:.1f}%)",
                      fmt_bytes(r0.request_kv_bytes_full)])
+    if r0.state_slot_bytes:
+        rows.append([f"recurrent state ({len(spec.recurrent_layers)} layers)",
+                     f"{fmt_bytes(r0.state_slot_bytes)} per sequence, "
+                     f"{fmt_bytes(r0.state_bytes)} for {s.max_num_seqs} (+1 scratch)"])
+        if r0.snapshot_slots:
+            snap_bytes = fmt_bytes(r0.snapshot_slots * r0.state_slot_bytes)
+            rows.append(["  prefix-cache snapshots",
+                         f"{r0.snapshot_slots:,} ({snap_bytes}), one every "
+                         f"{r0.snapshot_interval_tokens:,} tokens"])
     rows.append(["status", r0.status])
     lines.append(_table(header, rows))
     if not r0.kv.fits:

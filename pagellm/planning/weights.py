@@ -9,7 +9,9 @@ replicated too.
 
 A Mixture-of-Experts layer (Mixtral, Qwen3-MoE) holds a replicated router ``[E, H]`` and every
 expert's gate/up/down, each split over the ranks along the expert's intermediate dimension
-(pagellm/layers/fused_moe.py); layers the config keeps dense hold the dense MLP.
+(pagellm/layers/fused_moe.py); layers the config keeps dense hold the dense MLP. A shared
+expert (Qwen3-Next) adds a gated MLP of its width per MoE layer. Hybrid models' recurrent
+layers (Gated DeltaNet, Mamba-2) hold their token mixer instead of attention.
 
 Quantization is weight-only and applies to the decoder's linear layers and MoE experts (each
 expert's gate/up and down, as a linear of that shape); embeddings, LM head, norms, biases and MoE
@@ -99,23 +101,34 @@ def weight_bytes_per_rank(spec: ModelSpec, dtype_bytes: int, tp: int = 1,
     heads = spec.num_heads // tp
     kv = kv_heads_per_rank(spec.num_kv_heads, tp)
     inter = spec.intermediate_size // tp
-    qkv_out = (heads + 2 * kv) * hd
+    # A gated attention's q_proj yields a query and a gate per head.
+    qkv_out = ((2 if spec.attention_output_gate else 1) * heads + 2 * kv) * hd
     attention = (linear_weight_bytes(qkv_out, h, b, q) + linear_weight_bytes(h, heads * hd, b, q)
                  + (qkv_out * b if spec.qkv_bias else 0) + (h * b if spec.o_bias else 0))
+    # Recurrent layers (linear attention, Mamba-2) in place of attention: their token mixer's
+    # parameters split over the ranks (quantized: as one [params / H, H] linear, an estimate).
+    per_rank = math.ceil(spec.recurrent_params / tp)
+    recurrent = len(spec.recurrent_layers) * (
+        per_rank * b if q == "none" else linear_weight_bytes(math.ceil(per_rank / h), h, b, q))
+    attention_layers = spec.num_layers - len(spec.recurrent_layers)
+    shared = spec.shared_expert_intermediate_size // tp
+    shared_expert = (linear_weight_bytes(2 * shared, h, b, q) + linear_weight_bytes(h, shared, b, q)
+                     + h * b) if shared else 0
     mlp = (linear_weight_bytes(2 * inter, h, b, q) + linear_weight_bytes(h, inter, b, q)
            + ((2 * inter + h) * b if spec.mlp_bias else 0))
     moe_inter = spec.moe_intermediate_size // tp
     # Each expert's gate/up and down, plus its router row.
     moe = spec.num_experts * (linear_weight_bytes(2 * moe_inter, h, b, q)
-                              + linear_weight_bytes(h, moe_inter, b, q) + h * b)
+                              + linear_weight_bytes(h, moe_inter, b, q) + h * b) + shared_expert
     dense_layers = spec.num_layers - spec.moe_layers
     vocab_rows = math.ceil(spec.vocab_size / tp)
     embedding = vocab_rows * h * b
     return WeightBreakdown(
         embedding=embedding, lm_head=0 if spec.tie_word_embeddings else embedding,
-        attention=spec.num_layers * attention, mlp=dense_layers * mlp + spec.moe_layers * moe,
+        attention=attention_layers * attention + recurrent,
+        mlp=dense_layers * mlp + spec.moe_layers * moe,
         norms=(spec.norms_per_layer * spec.num_layers + 1) * h * b
-        + (spec.num_layers * 2 * hd * b if spec.qk_norm else 0))
+        + (attention_layers * 2 * hd * b if spec.qk_norm else 0))
 
 
 def num_parameters(spec: ModelSpec) -> int:

@@ -29,6 +29,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    state_slot: int = -1  # recurrent layers' state slot (core/state_slots.py); -1: none
 
 
 class InputBatch:
@@ -64,7 +65,8 @@ class InputBatch:
     def add_request(self, req_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                     sampling_params: SamplingParams, block_ids: list[int],
                     num_computed_tokens: int, generator: torch.Generator | None,
-                    group_block_ids: list[list[int]] | None = None) -> CachedRequestState:
+                    group_block_ids: list[list[int]] | None = None,
+                    state_slot: int = -1) -> CachedRequestState:
         assert req_id not in self.requests, req_id
         row = self._free_rows.pop()
         tokens = list(prompt_token_ids) + list(output_token_ids)
@@ -78,7 +80,7 @@ class InputBatch:
             req_id=req_id, row=row, num_prompt_tokens=len(prompt_token_ids),
             num_tokens=len(tokens), num_computed_tokens=num_computed_tokens,
             num_blocks=len(block_ids), sampling_params=sampling_params, generator=generator,
-            output_token_ids=list(output_token_ids))
+            output_token_ids=list(output_token_ids), state_slot=state_slot)
         self.requests[req_id] = state
         if self.sampling is not None:
             self.sampling.add(row, sampling_params, prompt_token_ids, output_token_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -9,6 +10,7 @@ import torch
 
 from pagellm.attention.kv_quant import SCALE_DTYPE, KVQuant, storage_dtype
 from pagellm.config import EngineConfig
+from pagellm.core.sched_output import SchedulerOutput
 from pagellm.memory_plan import (
     GiB,
     KVCachePlan,
@@ -47,13 +49,17 @@ def cache_storage_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch
 def plan_for_device(config: EngineConfig, weight_bytes: int,
                     profile_peak_activation: Callable[[], int],
                     cuda_graph_bytes: Callable[[int], int] | None = None,
-                    draft_kv_bytes_per_token: int = 0) -> KVCachePlan:
+                    draft_kv_bytes_per_token: int = 0, state_bytes: int = 0,
+                    snapshot_share: float = 0.0) -> KVCachePlan:
     """CPU: the explicit --kv-cache-memory, or a safe share of free RAM. CUDA: the part of
     gpu_memory_utilization x total memory left after weights, peak activations (measured by a
     profiling forward), memory outside torch and the decode CUDA graphs (``cuda_graph_bytes``:
     peak activation bytes -> an estimate, as the graphs are captured after the KV cache).
     ``draft_kv_bytes_per_token``: a draft model's cache (spec_decode/draft_model.py), whose
-    blocks share the target's ids: a block costs both, so one budget bounds both caches."""
+    blocks share the target's ids: a block costs both, so one budget bounds both caches.
+    ``state_bytes``: the recurrent layers' state slots (worker/state_cache.py), taken from the
+    same budget before it is cut into blocks; ``snapshot_share``: the part of the rest kept
+    for their prefix-cache snapshots (worker/state_cache.snapshot_layout)."""
     device = config.device.device
     per_token = config_kv_bytes_per_token(config) + draft_kv_bytes_per_token
     if draft_kv_bytes_per_token:
@@ -76,6 +82,16 @@ def plan_for_device(config: EngineConfig, weight_bytes: int,
     else:
         budget = cpu_memory_budget(cache.kv_cache_memory, weight_bytes)
         flag = "--kv-cache-memory"
+    if state_bytes:
+        if state_bytes >= budget.kv_budget_bytes:
+            raise ValueError(
+                f"the recurrent state of {config.num_state_slots} sequences needs "
+                f"{state_bytes / GiB:.2f} GiB, more than the KV budget of "
+                f"{budget.kv_budget_bytes / GiB:.2f} GiB: lower --max-num-seqs or raise {flag}")
+        logger.info("Recurrent state: %d slots, %.2f GiB of the KV budget", config.num_state_slots,
+                    state_bytes / GiB)
+        rest = budget.kv_budget_bytes - state_bytes
+        budget = dataclasses.replace(budget, kv_budget_bytes=int(rest * (1 - snapshot_share)))
     layout = config.model.kv_cache_layout()
     request_blocks = 0
     if layout.num_groups > 1 or layout.groups[0].sliding_window is not None:
@@ -98,14 +114,14 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int, device: torch.devi
     ``[layers, 2, num_blocks + 2, block_size, kv_heads, head_dim]`` tensor.
 
     Only the two extra blocks are zeroed here: the runner zeroes every block when it is handed
-    out (ModelRunner._zero_new_blocks) where the attention backend reads unwritten slots (the
+    out (zero_new_blocks) where the attention backend reads unwritten slots (the
     CPU kernels never do), so the pool itself is left uninitialized. That makes
     allocation instant (zeroing a multi-GiB CPU pool takes seconds and commits all its pages)
     and memory is touched only as blocks are used; the block pool hands freed blocks out again
     first (BlockPool.free_blocks), so the touched part stays as large as the peak load.
 
     Block ``num_blocks`` is the null block: never handed out, always zero; block tables are
-    padded with it, so padded positions read zeros (see ModelRunner._zero_new_blocks).
+    padded with it, so padded positions read zeros (see zero_new_blocks).
     Block ``num_blocks + 1`` is the scratch block: the padding rows of a CUDA-graph decode step
     write their K/V there and no block table names it (see worker/cuda_graphs.py).
     """
@@ -119,11 +135,13 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int, device: torch.devi
     shape = (layout.num_tensors, 2, num_blocks + 2, config.cache.block_size, heads, m.head_dim)
     kv = torch.empty(shape, dtype=cache_storage_dtype(config, dtype), device=device)
     kv[:, :, num_blocks:].zero_()
-    return [(kv[t, 0], kv[t, 1]) for t in layout.tensor_of_layer]
+    # A recurrent layer (tensor -1) has no KV: an empty pair keeps the list indexed by layer.
+    none = kv[:0, 0, :0]
+    return [(kv[t, 0], kv[t, 1]) if t >= 0 else (none, none) for t in layout.tensor_of_layer]
 
 
 def allocate_kv_quant(config: EngineConfig, num_blocks: int, device: torch.device,
-                      layer_scales: list[tuple[float, float]]) -> list[KVQuant] | None:
+                      layer_scales: dict[int, tuple[float, float]]) -> list[KVQuant] | None:
     """Per layer, the KVQuant of an 8-bit --kv-cache-dtype (None for float caches):
     ``layer_scales`` the per-tensor (k_scale, v_scale) of each layer (fp8), and for
     int8_per_token_head views of one zeroed bfloat16 ``[tensors, 2, num_blocks + 2,
@@ -144,21 +162,20 @@ def allocate_kv_quant(config: EngineConfig, num_blocks: int, device: torch.devic
                               heads), dtype=SCALE_DTYPE, device=device)
     out = []
     for layer, t in enumerate(layout.tensor_of_layer):
-        k_scale, v_scale = layer_scales[layer] if layer < len(layer_scales) else (1.0, 1.0)
+        k_scale, v_scale = layer_scales.get(layer, (1.0, 1.0))
+        own = scales is not None and t >= 0
         out.append(KVQuant(kv_dtype.kind, k_scale, v_scale,
-                           None if scales is None else scales[t, 0],
-                           None if scales is None else scales[t, 1]))
+                           scales[t, 0] if own else None, scales[t, 1] if own else None))
     return out
 
 
-def layer_kv_scales(model: torch.nn.Module) -> list[tuple[float, float]]:
+def layer_kv_scales(model: torch.nn.Module) -> dict[int, tuple[float, float]]:
     """Each attention layer's per-tensor (k_scale, v_scale), by layer index (1.0 unless the
     checkpoint carried them: models/kv_scales.py)."""
     from pagellm.layers.attention import Attention
 
-    layers = sorted((m for m in model.modules() if isinstance(m, Attention)),
-                    key=lambda m: m.layer_idx)
-    return [(float(m.k_scale), float(m.v_scale)) for m in layers]
+    return {m.layer_idx: (float(m.k_scale), float(m.v_scale))
+            for m in model.modules() if isinstance(m, Attention)}
 
 
 def kv_quant_bytes(kv_quant: list[KVQuant] | None) -> int:
@@ -169,12 +186,42 @@ def kv_quant_bytes(kv_quant: list[KVQuant] | None) -> int:
     return base.numel() * base.element_size() if base is not None else 0
 
 
+def zero_new_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], so: SchedulerOutput,
+                    block_size: int, device: torch.device) -> None:
+    """Zero the blocks handed out this step (not prefix-cache hits), so every slot a request
+    has not written yet reads 0, like the null block padding its table: attention then needs no
+    masking copies of gathered K/V (stale data of a block's last owner never leaks)."""
+    ids: list[int] = []
+    for new in so.scheduled_new_reqs:
+        ids += new.block_ids[new.num_computed_tokens // block_size:]
+        for group in new.group_block_ids:
+            ids += group[new.num_computed_tokens // block_size:]
+    for block_ids in so.scheduled_cached_reqs.new_block_ids:
+        ids += block_ids
+    for groups in so.scheduled_cached_reqs.new_group_block_ids:
+        for block_ids in groups:
+            ids += block_ids
+    if not ids or not kv_caches:
+        return
+    index = torch.tensor(ids, dtype=torch.long, device=device)
+    # All layers' K and V are views of one tensor [layers, 2, blocks, ...].
+    base = kv_cache_base(kv_caches)
+    if base is not None:
+        base.index_fill_(2, index, 0)
+        return
+    for k, v in kv_caches:
+        if k.numel():  # not a recurrent layer's empty pair
+            k.index_fill_(0, index, 0)
+            v.index_fill_(0, index, 0)
+
+
 def kv_cache_base(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
     """The ``[layers, 2, blocks, ...]`` tensor ``allocate_kv_caches``' views share, or None
     (no cache, or per-layer tensors of their own)."""
-    if not kv_caches:
+    # A recurrent layer's pair is empty (allocate_kv_caches): look at an attention layer's.
+    k0 = next((k for k, _ in kv_caches if k.numel()), None)
+    if k0 is None:
         return None
-    k0 = kv_caches[0][0]
     base = k0._base
     return base if base is not None and base.dim() == k0.dim() + 2 else None
 

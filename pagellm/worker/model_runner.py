@@ -16,6 +16,7 @@ from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.communication import all_reduce_min, broadcast_from_rank0
 from pagellm.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagellm.forward_context import set_forward_context
+from pagellm.memory_plan import STATE_SNAPSHOT_SHARE
 from pagellm.sample.bad_words import bad_words_mask
 from pagellm.sample.grammar import grammar_rows
 from pagellm.sample.logits_processors import LogitsProcessors, StepRow
@@ -33,9 +34,9 @@ from pagellm.worker.input_batch import CachedRequestState, InputBatch
 from pagellm.worker.kv_cache import (
     allocate_kv_caches,
     allocate_kv_quant,
-    kv_cache_base,
     layer_kv_scales,
     plan_for_device,
+    zero_new_blocks,
 )
 from pagellm.worker.prompt_logprobs import (
     PromptLogprobsPlan,
@@ -43,6 +44,14 @@ from pagellm.worker.prompt_logprobs import (
     plan_prompt_logprobs,
 )
 from pagellm.worker.runner_model import load_runner_model
+from pagellm.worker.state_cache import (
+    allocate_state_caches,
+    restore_state_snapshots,
+    snapshot_layout,
+    state_bytes_per_slot,
+    step_state_metadata,
+    uses_state_snapshots,
+)
 
 logger = logging.getLogger("pagellm")
 
@@ -62,6 +71,8 @@ class PreparedInputs:
     prompt_logprobs: PromptLogprobsPlan | None = None
     # Structured outputs: the step's GrammarBitmask (SchedulerOutput.grammar_bitmask), or None.
     grammar_bitmask: Any = None
+    # Recurrent layers' slots (models with such layers), or None.
+    state_metadata: Any = None  # attention/state_metadata.StateMetadata
 
 
 class ModelRunner:
@@ -118,6 +129,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Per layer, the scales of an 8-bit --kv-cache-dtype (attention/kv_quant.py); None else.
         self.kv_quant: list | None = None
+        # Recurrent layers' state slots by layer index (worker/state_cache.py); empty else.
+        self.state_caches: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.num_state_slots = 0  # running + snapshot slots (scratch slot not counted)
         self.num_blocks = 0
         self.graph_runner: GraphRunner | None = None  # decode CUDA graphs (initialize_kv_cache)
         self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 KV cache and weights freed
@@ -141,6 +155,13 @@ class ModelRunner:
             logger.info("Decode CUDA graphs are off: the model keeps KV in %d groups",
                         self.kv_layout.num_groups)
             graph_sizes = []
+        if self.kv_layout.state_layers and graph_sizes:
+            logger.info("Decode CUDA graphs are off: the model has recurrent layers")
+            graph_sizes = []
+        num_slots = self.config.num_state_slots
+        state_bytes = (state_bytes_per_slot(self.config, self.dtype) * (num_slots + 1)
+                       if num_slots else 0)
+        share = STATE_SNAPSHOT_SHARE if uses_state_snapshots(self.config) else 0.0
         reserve = GraphMemoryReserve(graph_sizes, self.config.scheduler.max_num_batched_tokens)
         start = time.perf_counter()
         # A draft model's weights and KV (spec_decode/draft_model.py) share the budget.
@@ -148,7 +169,8 @@ class ModelRunner:
         plan = plan_for_device(self.config,
                                self.weight_bytes + (proposer.weight_bytes if proposer else 0),
                                self._profile_peak_activation, reserve if graph_sizes else None,
-                               proposer.kv_bytes_per_token if proposer else 0)
+                               proposer.kv_bytes_per_token if proposer else 0, state_bytes,
+                               share)
         profile_seconds = time.perf_counter() - start
         if self.tp_size > 1:
             # Ranks may measure different free memory; the scheduler has one block pool.
@@ -161,6 +183,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.config, plan.num_blocks, self.device, self.dtype)
         self.kv_quant = allocate_kv_quant(self.config, plan.num_blocks, self.device,
                                           layer_kv_scales(self.model))
+        # Running sequences' slots, then the prefix-cache snapshots' (state_cache.py).
+        self.num_state_slots = num_slots + snapshot_layout(self.config, plan.num_blocks)[0]
+        self.state_caches = allocate_state_caches(self.config, self.num_state_slots,
+                                                  self.device, self.dtype)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         kv_seconds = time.perf_counter() - start
@@ -203,7 +229,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        with set_forward_context(None, []):
+        with set_forward_context(None, [], state_caches=self.state_caches or None):
             hidden = self.model(input_ids, positions)
             logits = self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs:])
             self.sampler.greedy(logits)
@@ -225,7 +251,8 @@ class ModelRunner:
             if params.seed is not None:
                 gen = torch.Generator(device=self.device)
             batch.add_request(new.req_id, new.prompt_token_ids, new.output_token_ids, params,
-                              new.block_ids, new.num_computed_tokens, gen, new.group_block_ids)
+                              new.block_ids, new.num_computed_tokens, gen, new.group_block_ids,
+                              new.state_slot)
         cached = so.scheduled_cached_reqs
         group_ids = cached.new_group_block_ids or [None] * len(cached.req_ids)
         for req_id, block_ids, num_computed, groups in zip(
@@ -236,34 +263,12 @@ class ModelRunner:
             state.num_computed_tokens = num_computed
         if self.spec_decode is not None:
             self.spec_decode.update_states(so, batch)
+        restores = [(n.state_restore_slot, n.state_slot) for n in so.scheduled_new_reqs
+                    if n.state_restore_slot >= 0]
+        if restores and self.state_caches:
+            restore_state_snapshots(self.state_caches, restores, self.device)
         if self.zero_new_blocks:
-            self._zero_new_blocks(so)
-
-    def _zero_new_blocks(self, so: SchedulerOutput) -> None:
-        """Zero blocks handed out this step (not prefix-cache hits), so every slot a request has
-        not written yet reads 0, like the null block padding its table: attention then needs no
-        masking copies of gathered K/V (stale data of a block's last owner never leaks)."""
-        bs = self.block_size
-        ids: list[int] = []
-        for new in so.scheduled_new_reqs:
-            ids += new.block_ids[new.num_computed_tokens // bs:]
-            for group in new.group_block_ids:
-                ids += group[new.num_computed_tokens // bs:]
-        for block_ids in so.scheduled_cached_reqs.new_block_ids:
-            ids += block_ids
-        for groups in so.scheduled_cached_reqs.new_group_block_ids:
-            for block_ids in groups:
-                ids += block_ids
-        if ids and self.kv_caches:
-            index = torch.tensor(ids, dtype=torch.long, device=self.device)
-            # All layers' K and V are views of one tensor [layers, 2, blocks, ...].
-            base = kv_cache_base(self.kv_caches)
-            if base is not None:
-                base.index_fill_(2, index, 0)
-            else:
-                for k, v in self.kv_caches:
-                    k.index_fill_(0, index, 0)
-                    v.index_fill_(0, index, 0)
+            zero_new_blocks(self.kv_caches, so, self.block_size, self.device)
 
     def _prepare_inputs(self, so: SchedulerOutput, states: list[CachedRequestState]
                         ) -> PreparedInputs:
@@ -301,7 +306,10 @@ class ModelRunner:
             positions=torch.from_numpy(positions).to(dev, non_blocking=True),
             attn_metadata=meta, logits_indices=logits_indices,
             sample_rows=np.nonzero(sample_mask)[0], prompt_logprobs=prompt_plan,
-            grammar_bitmask=so.grammar_bitmask)
+            grammar_bitmask=so.grammar_bitmask,
+            state_metadata=step_state_metadata(so, [(s.req_id, s.state_slot) for s in states],
+                                               meta.query_start_loc_cpu, num_computed)
+            if self.state_caches else None)
 
     def _group_metadata(self, meta: AttentionMetadata, table: np.ndarray, rows: np.ndarray,
                         token_rows: np.ndarray, positions: np.ndarray,
@@ -409,7 +417,8 @@ class ModelRunner:
         meta = inputs.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(meta):
             return self.graph_runner.run(inputs.input_ids, inputs.positions, meta)
-        with set_forward_context(meta, self.kv_caches, self.kv_quant):
+        with set_forward_context(meta, self.kv_caches, self.kv_quant,
+                                 self.state_caches or None, inputs.state_metadata):
             return self.model(inputs.input_ids, inputs.positions)
 
     def _sample_and_append(self, hidden: torch.Tensor, inputs: PreparedInputs,

@@ -29,6 +29,7 @@ from pagellm.worker.kv_cache import (
     kv_quant_bytes,
     layer_kv_scales,
 )
+from pagellm.worker.state_cache import allocate_state_caches, state_cache_bytes
 
 logger = logging.getLogger("pagellm")
 
@@ -61,9 +62,11 @@ def sleep_runner(runner: ModelRunner, level: int) -> int:
         return 0
     freed = 0
     runner.graph_runner = None  # captured against the KV cache and weights' addresses
-    freed += kv_cache_bytes(runner.kv_caches) + kv_quant_bytes(runner.kv_quant)
+    freed += (kv_cache_bytes(runner.kv_caches) + kv_quant_bytes(runner.kv_quant)
+              + state_cache_bytes(runner.state_caches))
     runner.kv_caches = []
     runner.kv_quant = None
+    runner.state_caches = {}
     if runner.spec_decode is not None:
         freed += runner.spec_decode.sleep(level)  # a draft model's cache and weights
     if level == 2 and runner.model is not None:
@@ -93,6 +96,8 @@ def wake_runner(runner: ModelRunner) -> int:
                                           runner.dtype)
     runner.kv_quant = allocate_kv_quant(runner.config, runner.num_blocks, runner.device,
                                         layer_kv_scales(runner.model))
+    runner.state_caches = allocate_state_caches(runner.config, runner.num_state_slots,
+                                                runner.device, runner.dtype)
     enable_fused_cpu_forward(runner.model)
     if runner.spec_decode is not None:
         runner.spec_decode.wake_up()

@@ -3,7 +3,8 @@ same greedy tokens, logprobs within float tolerance, same seeded samples, even u
 prefill and preemption; each rank holds and reads only its shard of the checkpoint.
 
 Llama (4 heads, 2 KV heads: split) and Qwen2 (1 KV head: replicated on both ranks; q/k/v
-biases; tied embeddings; 401-token vocabulary: an uneven vocab split).
+biases; tied embeddings; 401-token vocabulary: an uneven vocab split); Qwen3-Next for greedy
+tokens (each rank keeps its key heads' share of the recurrent state).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ ARCHS = ("llama", "qwen2")
 def models(tmp_path_factory, tiny_model_dir, make_tiny_model):
     return {"llama": tiny_model_dir("llama"),
             "qwen2": make_tiny_model(tmp_path_factory.mktemp("qwen2-401"), "qwen2",
-                                     vocab_size=401)}
+                                     vocab_size=401),
+            "qwen3-next": tiny_model_dir("qwen3-next")}
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +50,16 @@ def engines(models):
         tp2.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", (*ARCHS, "qwen3-next"))
 def test_greedy_tokens_and_logprobs_match_tp1(engines, arch) -> None:
     tp1, tp2 = engines(arch)
     vocab = tp1.llm_engine.config.model.vocab_size
     ps = prompts(10, vocab, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
     want, got = run(tp1, ps, params), run(tp2, ps, params)
+    # The recurrence carries the ranks' float32 rounding from token to token (measured up to
+    # 1.1e-4 apart for qwen3-next; see tests/models/test_tensor_parallel.py).
+    tol = 2e-4 if arch == "qwen3-next" else 1e-4
     # The tight engine really chunked and preempted (KV: 24 blocks for ~10 x 5 blocks).
     assert tp2.llm_engine.engine_core.make_stats().num_preemptions > 0
     for w, g in zip(want, got, strict=True):
@@ -62,7 +67,7 @@ def test_greedy_tokens_and_logprobs_match_tp1(engines, arch) -> None:
         for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
             assert lw.keys() == lg.keys()
             for tok in lw:
-                assert lg[tok].logprob == pytest.approx(lw[tok].logprob, abs=1e-4)
+                assert lg[tok].logprob == pytest.approx(lw[tok].logprob, abs=tol)
 
 
 def test_prompt_logprobs_match_tp1(engines) -> None:

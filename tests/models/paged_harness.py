@@ -11,6 +11,7 @@ import random
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.state_metadata import StateMetadata
 from pagellm.forward_context import set_forward_context
 
 
@@ -26,6 +27,23 @@ class PagedHarness:
              torch.full(shape, float("nan"), dtype=param.dtype, device=param.device))
             for _ in range(model.num_layers)
         ]
+        # Recurrent layers (linear attention): a NaN-filled state slot per sequence, handed
+        # out in a shuffled order too.
+        self.state_caches: dict[int, tuple[torch.Tensor, ...]] | None = None
+        state_layers = model.recurrent_layers(model.config) if hasattr(
+            model, "recurrent_layers") else ()
+        if state_layers:
+            from pagellm.distributed.parallel_state import get_tp_size
+
+            shapes = model.recurrent_state_shapes(model.config, get_tp_size())
+            self.state_caches = {
+                layer: tuple(torch.full((8, *shape), float("nan"),
+                                        dtype=torch.float32 if fp32 else param.dtype,
+                                        device=param.device) for shape, fp32 in shapes)
+                for layer in state_layers}
+        self.free_slots = list(range(8))
+        random.Random(seed + 1).shuffle(self.free_slots)
+        self.state_slots: dict[str, int] = {}
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.block_tables: dict[str, list[int]] = {}
@@ -79,7 +97,16 @@ class PagedHarness:
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
-        with torch.inference_mode(), set_forward_context(meta, self.kv_caches):
+        state_meta = None
+        if self.state_caches is not None:
+            slots = [self.state_slots.setdefault(s, self.free_slots.pop()) if s not in
+                     self.state_slots else self.state_slots[s] for s, _ in batch]
+            state_meta = StateMetadata(starts, slots,
+                                       [end > len(t) for (_, t), end in zip(batch, seq_lens,
+                                                                            strict=True)])
+        with torch.inference_mode(), set_forward_context(meta, self.kv_caches,
+                                                         state_caches=self.state_caches,
+                                                         state_metadata=state_meta):
             hidden = self.model(input_ids, pos)
             if not all_logits:
                 hidden = hidden[torch.tensor(starts[1:], device=device) - 1]
