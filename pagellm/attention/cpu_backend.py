@@ -151,9 +151,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
                        kv_quant: KVQuant) -> torch.Tensor:
         """An 8-bit cache (--kv-cache-dtype): quantized writes, then every sequence (decode
         tokens and prefill chunks, windowed and soft-capped too) in one call of the quantized
-        kernel, which dequantizes each chunk of K/V rows once per tile of queries. The AMX and
-        vector prefill kernels read float caches only; this one runs on every AVX-512 (or
-        plain) build."""
+        kernel (kernels/cpu_kv_quant.cpp): decode rows dequantized in registers, prefill chunks
+        a 64-key step of K/V at a time per tile of queries, never a float copy of the cache.
+        It runs on every build (AVX-512 BF16/VNNI, AVX-512, or the plain loops); the fused step
+        (models/llama_cpu_fused.py) calls the same kernels in the same order."""
         n = meta.num_tokens
         cpu_kv_quant.write_kv(key[:n], value[:n], k_cache, v_cache, meta.slot_mapping[:n],
                               kv_quant)

@@ -40,6 +40,8 @@ SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "cpu_attention.cpp", _HERE / "cpu_line
 HEADERS = [_HERE / "cpu_common.h", _HERE / "cpu_amx.h", _HERE / "cpu_prefill.h",
            _HERE / "cpu_attention_vec.h", _HERE / "cpu_attention_amx.h",
            _HERE / "cpu_entry_points.h", _HERE / "cpu_kv_quant.h",
+           _HERE / "cpu_kv_quant_vec.h", _HERE / "cpu_kv_quant_tile.h",
+           _HERE / "cpu_kv_quant_dot.h",
            _HERE / "cpu_moe_formats.h"]
 ABI_VERSION = 10
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]

@@ -9,11 +9,15 @@
 // its results are bit-identical to theirs; the caller only sends steps whose every projection
 // one linear kernel serves (AMX on the plain bfloat16 weights, or the AVX-512 kernel on packed
 // weights of either dtype) and whose prefill chunks (if any) the prefill kernel takes.
+// With an 8-bit KV cache (pagellm_llama_forward_quant) the K/V write and attention are the
+// quantized cache's kernels (cpu_kv_quant.cpp), every sequence of the step in one call, as the
+// CPU attention backend runs them (_forward_quant).
 #include <cstdint>
 #include <cstring>
 
 #include "cpu_common.h"
 #include "cpu_entry_points.h"
+#include "cpu_kv_quant.h"
 
 extern "C" {
 // One layer's tensors (biases may be null).
@@ -74,13 +78,33 @@ struct PagellmForwardStep {
   int64_t bt_width;    // entries per row of block_tables
 };
 
+// An 8-bit cache's step (fmt as pagellm_write_kv_quant's): per layer its int8 scale tables
+// (null for fp8) and per-tensor scales; every sequence of the step as (first row, rows, cached
+// tokens after the step, block-table row), decode tokens and prefill chunks alike.
+struct PagellmKVQuantLayer {
+  void* k_scales;
+  void* v_scales;
+  float k_scale, v_scale;
+};
+
+struct PagellmKVQuantStep {
+  int64_t fmt;
+  const PagellmKVQuantLayer* layers;
+  int64_t num_seqs;
+  const int64_t* q_rows;
+  const int32_t* q_lens;
+  const int32_t* seq_lens;
+  const int64_t* bt_rows;
+};
+
 }  // extern "C"
 
 namespace {
 
 template <typename T>
 int llama_forward(const PagellmLlamaLayer* layers, int64_t num_layers,
-                  const PagellmLlamaShape& d, const PagellmForwardStep& s) {
+                  const PagellmLlamaShape& d, const PagellmForwardStep& s,
+                  const PagellmKVQuantStep* kq) {
   const int dt = static_cast<int>(d.dtype);
   const int64_t T_ = s.num_tokens, H = d.hidden, D = d.head_dim;
   const int64_t q = d.num_heads * D, kv = d.num_kv_heads * D, qkv_w = q + 2 * kv;
@@ -108,17 +132,36 @@ int llama_forward(const PagellmLlamaLayer* layers, int64_t num_layers,
     if (rc != 1) return rc;
     pagellm_rotary(dt, qkv, qkv_w, d.num_heads, qkv + q, qkv_w, d.num_kv_heads, s.positions, T_,
                    s.cos_cache, s.sin_cache, d.max_pos, D, d.rot_dim);
-    rc = pagellm_write_kv(dt, w.k_cache, w.v_cache, qkv + q, qkv_w, qkv + q + kv, qkv_w, s.slots,
-                          T_, kv, s.num_blocks * d.block_size);
-    if (rc != 1) return rc;
-    if (s.num_items) {
+    if (kq != nullptr) {
+      const PagellmKVQuantLayer& ql = kq->layers[l];
+      const int fmt = static_cast<int>(kq->fmt);
+      auto* ks = static_cast<uint16_t*>(ql.k_scales);
+      auto* vs = static_cast<uint16_t*>(ql.v_scales);
+      rc = pagellm_write_kv_quant(fmt, dt, w.k_cache, w.v_cache, ks, vs, qkv + q, qkv_w,
+                                  qkv + q + kv, qkv_w, s.slots, T_, d.num_kv_heads, D,
+                                  s.num_blocks * d.block_size, ql.k_scale, ql.v_scale);
+      if (rc != 1) return rc;
+      if (kq->num_seqs) {
+        rc = pagellm_paged_attention_quant(
+            fmt, dt, s.attn, q, qkv, qkv_w, w.k_cache, w.v_cache, ks, vs, s.block_tables,
+            s.bt_stride, kq->num_seqs, kq->q_rows, kq->q_lens, kq->seq_lens, kq->bt_rows,
+            d.num_heads, d.num_kv_heads, D, d.block_size, d.scale, 0, 0.f, ql.k_scale,
+            ql.v_scale, &bounds);
+        if (rc != 1) return rc;
+      }
+    } else {
+      rc = pagellm_write_kv(dt, w.k_cache, w.v_cache, qkv + q, qkv_w, qkv + q + kv, qkv_w,
+                            s.slots, T_, kv, s.num_blocks * d.block_size);
+      if (rc != 1) return rc;
+    }
+    if (kq == nullptr && s.num_items) {
       rc = pagellm_paged_attention(dt, s.attn, q, qkv, qkv_w, s.token_rows, w.k_cache, w.v_cache,
                                    s.block_tables, s.bt_stride, s.lens, s.bt_rows, s.num_items,
                                    d.num_heads, d.num_kv_heads, D, d.block_size, d.scale,
                                    &bounds);
       if (rc != 1) return rc;
     }
-    if (s.num_prefill) {
+    if (kq == nullptr && s.num_prefill) {
       rc = pagellm_prefill_attention(dt, s.attn, q, qkv, qkv_w, w.k_cache, w.v_cache,
                                      s.block_tables, s.bt_stride, s.num_prefill, s.prefill_rows,
                                      s.prefill_lens, s.prefill_ctx, s.prefill_bt_rows,
@@ -147,8 +190,19 @@ extern "C" {
 // block-table row or length lies outside the step's bounds (nothing read or written outside).
 int pagellm_llama_forward(const PagellmLlamaLayer* layers, int64_t num_layers,
                           const PagellmLlamaShape* shape, const PagellmForwardStep* step) {
-  return shape->dtype == 0 ? llama_forward<float>(layers, num_layers, *shape, *step)
-                           : llama_forward<uint16_t>(layers, num_layers, *shape, *step);
+  return shape->dtype == 0 ? llama_forward<float>(layers, num_layers, *shape, *step, nullptr)
+                           : llama_forward<uint16_t>(layers, num_layers, *shape, *step, nullptr);
+}
+
+// pagellm_llama_forward over 8-bit KV caches (layers[l].k_cache/v_cache hold the 8-bit values,
+// `quant` the rest); the step's attention items are quant's sequences (step's decode items and
+// prefill chunks are not read). Returns as pagellm_llama_forward, 0 also for a format the
+// quantized kernels refuse.
+int pagellm_llama_forward_quant(const PagellmLlamaLayer* layers, int64_t num_layers,
+                                const PagellmLlamaShape* shape, const PagellmForwardStep* step,
+                                const PagellmKVQuantStep* quant) {
+  return shape->dtype == 0 ? llama_forward<float>(layers, num_layers, *shape, *step, quant)
+                           : llama_forward<uint16_t>(layers, num_layers, *shape, *step, quant);
 }
 
 }  // extern "C"

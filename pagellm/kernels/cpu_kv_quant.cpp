@@ -5,15 +5,20 @@
 // ([slots, kv_heads], indexed like the values). Writing quantizes each new K/V row: fp8 rounds
 // x / scale to nearest even, saturated at the format's largest finite value (as torch's
 // conversion of the clamped value); int8 takes scale = bf16(absmax / 127) and round-half-even
-// of x / scale, clamped to +-127 (as attention/kv_quant.py). Reading dequantizes one kv head's row of D values at a time
-// (cpu_kv_quant.h) into a per-thread chunk buffer of 16 rows in L1, never a float copy of the
-// cache.
+// of x / scale, clamped to +-127 (as attention/kv_quant.py).
 //
-// Attention runs flash style per (sequence, kv head, tile of query rows): decode tokens and
-// prefill chunks alike, once the step's K/V are written; each 16-key chunk's K/V rows are
-// dequantized once for all the tile's queries (rows x the kv head's query group), scores come
-// from broadcast FMAs against the chunk's transposed K, with an online float32 softmax, an
-// optional sliding window and logit soft-cap. Each sequence is checked against `bounds` first.
+// Reading never makes a float copy of the cache; once the step's K/V are written every sequence
+// takes one of three kernels, all with an optional sliding window and logit soft-cap:
+// - decode rows (chunks of up to kDecodeRows rows; head_dim 64/128, up to 8 query heads a kv
+//   head, AVX-512): one item per row, bf16 decode's passes with the rows dequantized in
+//   registers (cpu_kv_quant_vec.h; with bfloat16 queries dot products, cpu_kv_quant_dot.h);
+// - prefill chunks (head_dim % 16 == 0, <= 256, AVX-512): items of (kv head, tile of rows),
+//   each 64-key step's K/V dequantized once for the tile into a thread-local step buffer and
+//   run through bf16 vector prefill's micro-kernel (cpu_kv_quant_tile.h; bfloat16 dot products
+//   with AVX512-BF16, else float32);
+// - anything else (no AVX-512, other head sizes): the plain tile loop below, 16-key chunks
+//   dequantized into a per-thread buffer.
+// Items run in parallel, the costliest first; each sequence is checked against `bounds` first.
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +27,8 @@
 
 #include "cpu_common.h"
 #include "cpu_kv_quant.h"
+#include "cpu_kv_quant_tile.h"
+#include "cpu_kv_quant_vec.h"
 
 namespace pagellm {
 namespace {
@@ -51,23 +58,6 @@ bool write_rows(int fmt, uint8_t* cache, uint16_t* scales, const typename C::T* 
     }
   });
 }
-
-// What one attention call fixes for all its items.
-struct QuantPlan {
-  int fmt;
-  int64_t H, Hkv, G, D, block_size, window;
-  float scale, soft_cap, k_scale, v_scale;
-  const uint8_t *k_cache, *v_cache;
-  const uint16_t *k_scales, *v_scales;  // bfloat16 bits
-
-  // The row of kv head h of cache slot `slot`, dequantized into dst.
-  void load(float* dst, bool is_v, int64_t slot, int64_t h) const {
-    const uint8_t* cache = is_v ? v_cache : k_cache;
-    float s = is_v ? v_scale : k_scale;
-    if (fmt == kInt8) s = bf16_to_f32((is_v ? v_scales : k_scales)[slot * Hkv + h]);
-    dequant_row(dst, cache + (slot * Hkv + h) * D, D, fmt, s);
-  }
-};
 
 // One thread's buffers: the tile's scaled queries and accumulators, one 16-key chunk's K
 // (transposed: 16 keys a dim) and V rows.
@@ -102,7 +92,7 @@ inline float exp16_sum(float* p, const float* s, float m) {
 #endif
 }
 
-// One work item: rows [r0, r0 + R) of a chunk of q_len new tokens whose sequence now holds n
+// The plain tile: rows [r0, r0 + R) of a chunk of q_len new tokens whose sequence now holds n
 // tokens, and the G query heads of kv head kvh: flash style over 16-key chunks, each chunk's
 // K/V rows dequantized once for the whole tile (M = R x G queries).
 template <typename C>
@@ -169,19 +159,45 @@ void attend_tile(const QuantPlan& P, const typename C::T* q, int64_t q_stride,
   }
 }
 
+// Chunks of up to this many rows take the decode kernel, row by row.
+constexpr int64_t kDecodeRows = 4;
+
+// Which kernel an item runs (see the top of the file).
+enum ItemKind : int { kDecodeItem, kTileBf16, kTileF32, kPlainTile };
+
+// The tile kernel a prefill chunk takes here: bfloat16 dot products, float32, or the plain loop.
+template <typename C>
+ItemKind tile_kind(int64_t D) {
+#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+  if (sizeof(typename C::T) == 2 && D % 32 == 0 && D <= kQuantMaxD) return kTileBf16;
+#endif
+  if (D % 16 == 0 && D <= kQuantMaxD) return kTileF32;
+#endif
+  (void)D;
+  return kPlainTile;
+}
+
 // Every sequence's chunk (its first query row, q_len rows, n tokens after it, its block-table
-// row), split into (sequence, kv head, tile of rows) items run in parallel; a sequence outside
-// `bounds` is skipped whole (kOutOfBounds).
+// row), split into items run in parallel: decode rows, or (kv head, tile of rows); a sequence
+// outside `bounds` is skipped whole (kOutOfBounds).
 template <typename C>
 int attention(const QuantPlan& P, typename C::T* out, int64_t out_stride,
               const typename C::T* q, int64_t q_stride, const int32_t* block_tables,
               int64_t bt_stride, int64_t num_seqs, const int64_t* q_rows,
               const int32_t* q_lens, const int32_t* seq_lens, const int64_t* bt_rows,
               const CacheBounds& bounds) {
-  // Rows per tile: enough queries (rows x group) to spread each chunk's dequantization.
-  const int64_t R = std::max<int64_t>(1, std::min<int64_t>(16, 64 / P.G));
+#if defined(__AVX512F__)
+  const QuantDecodeFns fns = pick_quant_decode(P.fmt, P.G, P.D, sizeof(typename C::T) == 2);
+#endif
+  const ItemKind tiles = tile_kind<C>(P.D);
+  // Rows per tile: enough queries (rows x group) to spread each step's dequantization.
+  const int64_t R = tiles == kPlainTile
+                        ? std::max<int64_t>(1, std::min<int64_t>(16, 64 / P.G))
+                        : std::clamp<int64_t>((384 / P.G + 3) / 4 * 4, 16, 128);
   struct Item {
-    int64_t seq, kvh, r0, rows;
+    int64_t seq, kvh, r0, rows, cost;
+    ItemKind kind;
   };
   std::vector<Item> items;
   int out_of_bounds = 0;
@@ -192,18 +208,61 @@ int attention(const QuantPlan& P, typename C::T* out, int64_t out_stride,
       out_of_bounds = 1;
       continue;
     }
+    const int64_t seen = P.window > 0 ? std::min<int64_t>(P.window, n) : n;  // keys a row sees
+#if defined(__AVX512F__)
+    if (ql <= kDecodeRows && fns.scores != nullptr) {
+      for (int64_t r = 0; r < ql; ++r) items.push_back({i, 0, r, 1, seen * P.H, kDecodeItem});
+      continue;
+    }
+#endif
     for (int64_t kvh = 0; kvh < P.Hkv; ++kvh)
-      for (int64_t r0 = 0; r0 < ql; r0 += R) items.push_back({i, kvh, r0, std::min(R, ql - r0)});
+      for (int64_t r0 = 0; r0 < ql; r0 += R) {
+        const int64_t rows = std::min(R, ql - r0);
+        const int64_t keys = std::min(seen + rows, n - ql + r0 + rows);
+        items.push_back({i, kvh, r0, rows, keys * rows * P.G, tiles});
+      }
   }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
 #pragma omp parallel
   {
-    TileScratch s;
+    TileScratch plain;
+#if defined(__AVX512F__)
+    QuantDecodeScratch dec;
+    QuantTileScratch<float> t32;
+#if defined(__AVX512BF16__)
+    QuantTileScratch<uint16_t> t16;
+#endif
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (size_t k = 0; k < items.size(); ++k) {
       const Item& it = items[k];
-      attend_tile<C>(P, q + q_rows[it.seq] * q_stride, q_stride, out + q_rows[it.seq] * out_stride,
-                     out_stride, block_tables + bt_rows[it.seq] * bt_stride, seq_lens[it.seq],
-                     q_lens[it.seq], it.r0, it.rows, it.kvh, s);
+      const typename C::T* qs = q + q_rows[it.seq] * q_stride;
+      typename C::T* os = out + q_rows[it.seq] * out_stride;
+      const int32_t* bt = block_tables + bt_rows[it.seq] * bt_stride;
+      const int64_t n = seq_lens[it.seq], ql = q_lens[it.seq];
+      switch (it.kind) {
+#if defined(__AVX512F__)
+        case kDecodeItem:
+          quant_decode_row<C>(P, fns, qs + it.r0 * q_stride, os + it.r0 * out_stride, bt,
+                              n - ql + it.r0 + 1, dec);
+          break;
+        case kTileF32:
+          quant_attend_tile<C, float>(P, qs, q_stride, os, out_stride, bt, n, ql, it.r0,
+                                      it.rows, it.kvh, t32);
+          break;
+#if defined(__AVX512BF16__)
+        case kTileBf16:
+          if constexpr (sizeof(typename C::T) == 2)
+            quant_attend_tile<C, uint16_t>(P, qs, q_stride, os, out_stride, bt, n, ql, it.r0,
+                                           it.rows, it.kvh, t16);
+          break;
+#endif
+#endif
+        default:
+          attend_tile<C>(P, qs, q_stride, os, out_stride, bt, n, ql, it.r0, it.rows, it.kvh,
+                         plain);
+      }
     }
   }
   return out_of_bounds ? kOutOfBounds : 1;

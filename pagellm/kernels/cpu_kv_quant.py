@@ -18,6 +18,63 @@ from pagellm.kernels import cpu_ops
 
 FORMATS = {"fp8_e4m3": 0, "fp8_e5m2": 1, "int8_per_token_head": 2}
 
+
+class KVQuantLayer(ctypes.Structure):
+    """One layer's quantized-cache state for ``llama_forward_quant`` (``PagellmKVQuantLayer``):
+    int8's scale tables (None for fp8) and the per-tensor scales."""
+
+    _fields_ = [("k_scales", ctypes.c_void_p), ("v_scales", ctypes.c_void_p),
+                ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float)]
+
+
+class KVQuantStep(ctypes.Structure):
+    """An 8-bit cache's step for ``llama_forward_quant`` (``PagellmKVQuantStep``): the format,
+    the layers' ``KVQuantLayer`` table, and every sequence as (first row, rows, cached tokens,
+    block-table row) like ``paged_attention``'s."""
+
+    _fields_ = [("fmt", ctypes.c_int64), ("layers", ctypes.c_void_p),
+                ("num_seqs", ctypes.c_int64),
+                *((name, ctypes.c_void_p) for name in ("q_rows", "q_lens", "seq_lens",
+                                                        "bt_rows"))]
+
+
+def layer_state(quant: KVQuant) -> KVQuantLayer:
+    """``quant`` as the fused step's per-layer entry."""
+    return KVQuantLayer(_ptr(quant.k_scales), _ptr(quant.v_scales), quant.k_scale,
+                        quant.v_scale)
+
+
+def fused_supports(k_cache: torch.Tensor, v_cache: torch.Tensor, quant: KVQuant) -> bool:
+    """Whether the fused step (``llama_forward_quant``) takes this layer's 8-bit caches: the
+    checks of ``supports`` that do not depend on the step's activations."""
+    if not (cpu_ops.available() and quant.kind in FORMATS and k_cache.is_cpu
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape == v_cache.shape
+            and k_cache.element_size() == v_cache.element_size() == 1):
+        return False
+    if quant.kind == "int8_per_token_head":
+        # [blocks (at least the cache's), block_size, kv_heads]
+        return all(t is not None and t.dtype == SCALE_DTYPE and t.is_contiguous()
+                   and t.dim() == 3 and t.shape[0] >= k_cache.shape[0]
+                   and t.shape[1:] == k_cache.shape[1:3] for t in (quant.k_scales, quant.v_scales))
+    return quant.k_scale > 0 and quant.v_scale > 0
+
+
+def llama_forward(layers: ctypes.Array, shape: ctypes.Structure, step: ctypes.Structure,
+                  quant: KVQuantStep) -> None:
+    """``cpu_ops.llama_forward`` over 8-bit caches (``cpu_decoder.cpp``)."""
+    rc = _lib().pagellm_llama_forward_quant(ctypes.byref(layers), len(layers),
+                                            ctypes.byref(shape), ctypes.byref(step),
+                                            ctypes.byref(quant))
+    if rc == -1:
+        raise IndexError("cpu_kv_quant.llama_forward: a slot, block id, block-table row or "
+                         f"length lies outside the cache ({step.num_blocks} blocks) or the step; "
+                         "nothing outside them was read or written")
+    if rc != 1:
+        raise RuntimeError("cpu_kv_quant.llama_forward cannot take this step here (the linears' "
+                           "kernel or the quantized kernels refused it)")
+
+
 def _lib() -> ctypes.CDLL:
     lib = cpu_ops.library()
     assert lib is not None, "call supports() first"

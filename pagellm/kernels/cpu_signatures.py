@@ -57,6 +57,7 @@ SIGNATURES = {
                                       c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p,
                                       c_int64, c_int64, c_int64, c_int64, c_float, c_int64,
                                       c_float, c_float, c_float, c_void_p],
+    "pagellm_llama_forward_quant": [c_void_p, c_int64, c_void_p, c_void_p, c_void_p],
 }
 
 # Returning an int (a yes/no or a count); the other entry points return nothing.
@@ -68,4 +69,4 @@ RETURNS_INT = ("pagellm_linear_available", "pagellm_linear", "pagellm_linear_pac
                 "pagellm_paged_attention_slices", "pagellm_kernel_paths", "pagellm_write_kv",
                 "pagellm_moe_available", "pagellm_moe_forward", "pagellm_moe_forward_int8",
                 "pagellm_moe_forward_int4", "pagellm_write_kv_quant",
-                "pagellm_paged_attention_quant")
+                "pagellm_paged_attention_quant", "pagellm_llama_forward_quant")

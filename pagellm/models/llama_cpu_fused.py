@@ -20,10 +20,10 @@ import logging
 import torch
 from torch import nn
 
-from pagellm.attention.cpu_backend import CpuAttentionBackend, plan_step
+from pagellm.attention.cpu_backend import CpuAttentionBackend, plan_step, quant_seqs
 from pagellm.config import read_env
 from pagellm.forward_context import get_forward_context
-from pagellm.kernels import cpu_ops
+from pagellm.kernels import cpu_kv_quant, cpu_ops
 from pagellm.kernels.cpu_matmul import AMX_LINEAR_MAX_ROWS
 from pagellm.kernels.cpu_ops import ptr
 from pagellm.layers.activation import SiluAndMul
@@ -80,7 +80,10 @@ class LlamaCpuFused:
         # The AMX kernel serves up to AMX_LINEAR_MAX_ROWS rows; the packed one any number.
         self.max_tokens = AMX_LINEAR_MAX_ROWS if kind == "amx" else None
         self._kv_caches: list | None = None
+        self._kv_quant: list | None = None
         self._layers: ctypes.Array | None = None
+        self._quant_layers: ctypes.Array | None = None  # with 8-bit caches (KVQuantLayer)
+        self._quant_fmt = 0
         self._num_blocks = 0  # blocks of every layer's cache (the kernels' bound on block ids)
         # Steps with prefill chunks need the prefill kernel for this head size.
         self.prefill_ok = cpu_ops.prefill_head_dim_supported(attn.head_dim, self.dtype)
@@ -126,18 +129,31 @@ class LlamaCpuFused:
                 return None
         return cls(model, kinds.pop())
 
-    def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Point the layer table at these caches (rebuilt when the runner's list changes)."""
-        if kv_caches is self._kv_caches:
+    def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                     kv_quant: list | None) -> bool:
+        """Point the layer table at these caches (rebuilt when the runner's lists change); with
+        8-bit caches (``kv_quant``: the layers' KVQuant) the quantized kernels' table too."""
+        if kv_caches is self._kv_caches and kv_quant is self._kv_quant:
             return self._layers is not None
-        self._kv_caches, self._layers = kv_caches, None
+        self._kv_caches, self._kv_quant, self._layers = kv_caches, kv_quant, None
         layers = self.model.layers
         if len(kv_caches) < len(layers):
             return False
         table = (cpu_ops.LlamaLayer * len(layers))()
+        quant_table = None if kv_quant is None else (cpu_kv_quant.KVQuantLayer * len(layers))()
+        kinds = set()
         for i, layer in enumerate(layers):
-            k, v = kv_caches[layer.self_attn.attn.layer_idx]
-            if not (k.dtype == v.dtype == self.dtype and k.is_cpu and k.is_contiguous()
+            idx = layer.self_attn.attn.layer_idx
+            k, v = kv_caches[idx]
+            if kv_quant is not None:
+                quant = kv_quant[idx]
+                if quant is None or not cpu_kv_quant.fused_supports(k, v, quant):
+                    return False
+                kinds.add(quant.kind)
+                quant_table[i] = cpu_kv_quant.layer_state(quant)
+            elif k.dtype != self.dtype:
+                return False
+            if not (k.dtype == v.dtype and k.is_cpu and k.is_contiguous()
                     and v.is_contiguous() and k.shape == v.shape
                     and k.shape[:2] == kv_caches[0][0].shape[:2]
                     and k.shape[-2:] == (self.shape.num_kv_heads,
@@ -153,7 +169,11 @@ class LlamaCpuFused:
                 k_cache=ptr(k), v_cache=ptr(v))
             self.shape.block_size = k.shape[1]
             self._num_blocks = k.shape[0]
-        self._layers = table
+        if len(kinds) > 1:
+            return False
+        if kinds:
+            self._quant_fmt = cpu_kv_quant.FORMATS[kinds.pop()]
+        self._layers, self._quant_layers = table, quant_table
         return True
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
@@ -162,17 +182,15 @@ class LlamaCpuFused:
         ctx = get_forward_context()
         meta = ctx.attn_metadata
         num_tokens = hidden.shape[0]
-        # NOTE: an 8-bit --kv-cache-dtype (ctx.kv_quant) never takes the fused step: its C++
-        # decoder reads float caches only, so those steps run layer by layer, whose CPU
-        # attention backend reads the quantized blocks (kernels/cpu_kv_quant.cpp).
-        if (meta is None or ctx.kv_quant is not None or num_tokens != meta.num_tokens
-                or num_tokens <= 0
+        # An 8-bit --kv-cache-dtype (ctx.kv_quant) writes and attends through the quantized
+        # cache's kernels (kernels/cpu_kv_quant.cpp), which take every step's chunks.
+        if (meta is None or num_tokens != meta.num_tokens or num_tokens <= 0
                 or (self.max_tokens is not None and num_tokens > self.max_tokens)
                 or hidden.dtype != self.dtype or not hidden.is_contiguous()
-                or not self._layer_table(ctx.kv_caches)):
+                or not self._layer_table(ctx.kv_caches, ctx.kv_quant)):
             return None
         plan = plan_step(meta)
-        if plan.prefill_seqs and not self.prefill_ok:
+        if plan.prefill_seqs and not self.prefill_ok and ctx.kv_quant is None:
             return None
         s = self.shape
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -199,7 +217,15 @@ class LlamaCpuFused:
             prefill_lens=plan.prefill_lens.data_ptr(), prefill_ctx=plan.prefill_ctx.data_ptr(),
             prefill_bt_rows=plan.prefill_bt_rows.data_ptr(), num_blocks=self._num_blocks,
             bt_height=tables.shape[0], bt_width=tables.shape[1])
-        cpu_ops.llama_forward(self._layers, s, step)
+        if ctx.kv_quant is None:
+            cpu_ops.llama_forward(self._layers, s, step)
+            return hidden
+        q_rows, q_lens, seq_lens, bt_rows = quant_seqs(plan)
+        quant = cpu_kv_quant.KVQuantStep(
+            fmt=self._quant_fmt, layers=ctypes.addressof(self._quant_layers),
+            num_seqs=q_rows.numel(), q_rows=q_rows.data_ptr(), q_lens=q_lens.data_ptr(),
+            seq_lens=seq_lens.data_ptr(), bt_rows=bt_rows.data_ptr())
+        cpu_kv_quant.llama_forward(self._layers, s, step, quant)
         return hidden
 
 

@@ -167,3 +167,31 @@ def test_checkpoint_kv_scales_land_on_the_layer():
     assert (attn0.k_scale, attn0.v_scale, attn1.k_scale, attn1.v_scale) == (0.5, 2.0, 3.0, 3.0)
     with pytest.raises(ValueError, match="must be > 0"):
         load_kv_scale(model, "model.layers.1.self_attn.k_scale", torch.tensor(0.0))
+
+
+# (context_len, query_len): decode tokens, short chunks (the decode kernel's rows), chunks across
+# tile and 64-key step edges, a long chunk with and without context.
+ODD = [(0, 300), (200, 1), (37, 3), (100, 64), (5, 130), (70, 4), (0, 1), (129, 65), (31, 2)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,dtype,window,cap", [
+    (16, 9, 3, 64, torch.bfloat16, None, None),   # the default model's shape
+    (32, 8, 2, 128, torch.bfloat16, 50, None),
+    (16, 4, 4, 64, torch.float32, 33, None),
+    (32, 6, 1, 64, torch.float32, None, 4.0),
+    (16, 16, 2, 64, torch.bfloat16, 70, 6.0),     # 8 query heads a kv head
+    (16, 4, 2, 96, torch.bfloat16, None, None),   # tile kernel in float32 (96 % 32 != 0)
+    (1, 6, 2, 64, torch.bfloat16, 40, None),      # one-token blocks
+    (8, 6, 2, 128, torch.float32, None, None),
+])
+def test_cpu_kernels_odd_shapes(kind, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                                window, cap, cpu_isa):
+    """Each kernel build: decode rows, tiles of rows and the plain loops, against float64."""
+    case = QuantCase(ODD, block_size, num_heads, num_kv_heads, head_dim, dtype, kind, seed=4)
+    scale = 0.3 if cap else head_dim ** -0.5
+    out = case.run(CpuAttentionBackend(num_heads, head_dim, num_kv_heads, scale, window, cap))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), case.reference(scale, window, cap), atol=TOL[dtype],
+                               rtol=TOL[dtype])
