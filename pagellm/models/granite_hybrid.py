@@ -174,7 +174,13 @@ class GraniteMoeHybridForCausalLM(MoeWeightsMixin, LlamaForCausalLM):
         return self.lm_head.compute_logits(hidden) / self.logits_scaling
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(_split_stacked(weights))
+        return super().load_weights(self.checkpoint_weights(weights))
+
+    @staticmethod
+    def checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors under the names the loaders take (weight updates too)."""
+        return _split_stacked(weights)
 
 
 def _split_stacked(weights: Iterable[tuple[str, torch.Tensor]]

@@ -253,7 +253,13 @@ class NemotronHForCausalLM(LlamaForCausalLM):
         return self.model(input_ids, positions)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(_our_names(weights))
+        return super().load_weights(self.checkpoint_weights(weights))
+
+    @staticmethod
+    def checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors under the names the loaders take (weight updates too)."""
+        return _our_names(weights)
 
 
 def _our_names(weights: Iterable[tuple[str, torch.Tensor]]

@@ -22,8 +22,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def attention_bias(config: Any) -> tuple[bool, bool]:
         return False, False
 
-    def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Fused q/k/v and gate/up checkpoint tensors split into the parts the loaders take."""
         c = self.config
         head_dim = get_head_dim(c)
         q_size = c.num_attention_heads * head_dim
@@ -47,4 +48,4 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield name, tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._split_fused(weights))
+        return super().load_weights(self.checkpoint_weights(weights))

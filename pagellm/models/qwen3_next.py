@@ -203,10 +203,10 @@ class Qwen3NextForCausalLM(MoeWeightsMixin, LlamaForCausalLM):
         return self.model(input_ids, positions)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._text_weights(weights))
+        return super().load_weights(self.checkpoint_weights(weights))
 
-    def _text_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
         """The language model's tensors under this model's names: Qwen3.5's
         ``model.language_model.`` prefix dropped; vision tower and MTP heads skipped."""
         skipped = {"mtp": 0, "visual": 0}

@@ -206,12 +206,13 @@ def _checkpoint_shape(module: nn.Module | None, leaf: str, shard: Shard,
     return tuple(param.shape)  # replicated: norms, the router
 
 
-def _split_fused(model: nn.Module, weights: list[tuple[str, torch.Tensor]]
+def _model_names(model: nn.Module, weights: list[tuple[str, torch.Tensor]]
                  ) -> list[tuple[str, torch.Tensor]]:
-    """Phi-3's fused q/k/v and gate/up checkpoint tensors split into the parts its loaders take
-    (the model's own split; on meta tensors too, for a check from the headers)."""
-    split = getattr(model, "_split_fused", None)
-    return list(split(weights)) if callable(split) else weights
+    """The tensors as the model's loaders take them, by the model's own ``checkpoint_weights``
+    (Phi-3's fused q/k/v split, Qwen3.5's language-model prefix dropped, Granite's stacked
+    experts apart, ...; on meta tensors too, for a check from the headers)."""
+    names = getattr(model, "checkpoint_weights", None)
+    return list(names(weights)) if callable(names) else weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +241,7 @@ def plan_update(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     todo: list[tuple[_Load, tuple[int, ...]]] = []
-    parts = [(i, part) for i, pair in enumerate(pairs) for part in _split_fused(model, [pair])]
+    parts = [(i, part) for i, pair in enumerate(pairs) for part in _model_names(model, [pair])]
     for given, (ckpt_name, tensor) in parts:
         if "rotary_emb.inv_freq" in ckpt_name:
             continue
