@@ -63,15 +63,22 @@ class _HeadSharded(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: Any = None) -> None:
-        full = sum(self.segments)
-        if loaded.shape[0] != full or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
-            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
-                             f"({full}, {', '.join(map(str, param.shape[1:]))})")
-        dst, src = 0, 0
-        for size in self.segments:
-            part = size // self.tp_size
-            param.data[dst:dst + part].copy_(loaded[src + self.tp_rank * part:][:part])
-            dst, src = dst + part, src + size
+        copy_rank_segments(param, loaded, self.segments, self.tp_rank, self.tp_size)
+
+
+def copy_rank_segments(param: nn.Parameter, loaded: torch.Tensor, segments: list[int],
+                       tp_rank: int, tp_size: int) -> None:
+    """Copy this rank's piece of each consecutive part (``segments``: full sizes along dim 0)
+    of a whole checkpoint tensor into ``param``, pieces side by side."""
+    full = sum(segments)
+    if loaded.shape[0] != full or tuple(loaded.shape[1:]) != tuple(param.shape[1:]):
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
+                         f"({full}, {', '.join(map(str, param.shape[1:]))})")
+    dst, src = 0, 0
+    for size in segments:
+        part = size // tp_size
+        param.data[dst:dst + part].copy_(loaded[src + tp_rank * part:][:part])
+        dst, src = dst + part, src + size
 
 
 class GatedRMSNorm(nn.Module):
@@ -179,11 +186,4 @@ class _SegmentedColumnLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
-        if loaded.shape[0] != sum(self.segments):
-            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} should be "
-                             f"{sum(self.segments)} long in dim 0")
-        dst, src = 0, 0
-        for size in self.segments:
-            part = size // self.tp_size
-            param.data[dst:dst + part].copy_(loaded[src + self.tp_rank * part:][:part])
-            dst, src = dst + part, src + size
+        copy_rank_segments(param, loaded, self.segments, self.tp_rank, self.tp_size)

@@ -33,9 +33,8 @@ from pagellm.models.llama import LlamaForCausalLM, LlamaMLP, get_head_dim, rope_
 from pagellm.models.mamba_hybrid import (
     MAMBA,
     HybridAttention,
+    Mamba2StateMixin,
     give_weight_loaders,
-    mamba2_layer_params,
-    mamba2_state_specs,
     mixer_kind,
     refuse_tensor_parallel,
 )
@@ -117,7 +116,7 @@ class GraniteHybridModel(nn.Module):
         return self.norm(hidden)
 
 
-class GraniteMoeHybridForCausalLM(MoeWeightsMixin, LlamaForCausalLM):
+class GraniteMoeHybridForCausalLM(Mamba2StateMixin, MoeWeightsMixin, LlamaForCausalLM):
     moe_block_name = "block_sparse_moe"
 
     def __init__(self, config: Any, max_model_len: int | None = None) -> None:
@@ -145,18 +144,7 @@ class GraniteMoeHybridForCausalLM(MoeWeightsMixin, LlamaForCausalLM):
     def layer_sliding_windows(config: Any) -> list[int | None]:
         return [None] * int(config.num_hidden_layers)
 
-    @staticmethod
-    def recurrent_layers(config: Any) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(_kinds(config)) if kind == MAMBA)
-
-    @staticmethod
-    def recurrent_state_shapes(config: Any, tp_size: int) -> tuple[tuple[tuple[int, ...], bool],
-                                                                    ...]:
-        return mamba2_state_specs(config)
-
-    @staticmethod
-    def recurrent_layer_params(config: Any) -> int:
-        return mamba2_layer_params(config)
+    layer_kinds = staticmethod(_kinds)
 
     @staticmethod
     def moe_layout(config: Any) -> tuple[int, int, int, int]:

@@ -49,6 +49,29 @@ def mamba2_layer_params(config: Any) -> int:
     return in_proj + m.conv_dim * m.conv_kernel + 3 * m.num_heads + inner + inner * m.hidden_size
 
 
+class Mamba2StateMixin:
+    """What the engine asks a Mamba-2 hybrid about its recurrent layers (see
+    LlamaForCausalLM.recurrent_layers); ``layer_kinds(config)``, each cache layer's kind, is
+    the family's own."""
+
+    @staticmethod
+    def layer_kinds(config: Any) -> list[str]:
+        raise NotImplementedError
+
+    @classmethod
+    def recurrent_layers(cls, config: Any) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(cls.layer_kinds(config)) if kind == MAMBA)
+
+    @staticmethod
+    def recurrent_state_shapes(config: Any, tp_size: int) -> tuple[tuple[tuple[int, ...], bool],
+                                                                    ...]:
+        return mamba2_state_specs(config)
+
+    @staticmethod
+    def recurrent_layer_params(config: Any) -> int:
+        return mamba2_layer_params(config)
+
+
 def refuse_tensor_parallel(arch: str) -> None:
     """The Mamba-2 mixer keeps whole (unsharded) projections: one rank only."""
     tp = get_tp_size()

@@ -37,10 +37,9 @@ from pagellm.models.mamba_hybrid import (
     ATTENTION,
     MAMBA,
     HybridAttention,
+    Mamba2StateMixin,
     copy_param,
     give_weight_loaders,
-    mamba2_layer_params,
-    mamba2_state_specs,
     mixer_kind,
     refuse_tensor_parallel,
 )
@@ -211,7 +210,7 @@ class NemotronHModel(nn.Module):
         return self.norm_f(hidden)
 
 
-class NemotronHForCausalLM(LlamaForCausalLM):
+class NemotronHForCausalLM(Mamba2StateMixin, LlamaForCausalLM):
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping[:3]  # q/k/v only
 
     def __init__(self, config: Any, max_model_len: int | None = None) -> None:
@@ -236,18 +235,7 @@ class NemotronHForCausalLM(LlamaForCausalLM):
     def layer_sliding_windows(config: Any) -> list[int | None]:
         return [None] * len(_cache_kinds(config))
 
-    @staticmethod
-    def recurrent_layers(config: Any) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(_cache_kinds(config)) if kind == MAMBA)
-
-    @staticmethod
-    def recurrent_state_shapes(config: Any, tp_size: int) -> tuple[tuple[tuple[int, ...], bool],
-                                                                    ...]:
-        return mamba2_state_specs(config)
-
-    @staticmethod
-    def recurrent_layer_params(config: Any) -> int:
-        return mamba2_layer_params(config)
+    layer_kinds = staticmethod(_cache_kinds)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -1,6 +1,7 @@
-"""The whole engine on tiny hybrid (Gated DeltaNet + attention) models: greedy tokens against
-transformers, invariance under batching, chunked prefill and preemption (the recurrent state
-recomputed), state slots all back at idle, prompt logprobs and the refusals."""
+"""The whole engine on tiny hybrid models (Gated DeltaNet: Qwen3-Next, Qwen3.5; Mamba-2: Granite
+4, Nemotron-H): greedy tokens against transformers, invariance under batching, chunked prefill
+and preemption (the recurrent state recomputed), state slots all back at idle, prefix hits on
+state snapshots, prompt logprobs, structured output and the refusals."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def next_path(tiny_model_dir) -> str:
 
 
 @pytest.mark.parametrize(("arch", "backend"), [("qwen3-next", "auto"), ("qwen3.5", "auto"),
-                                               ("qwen3-next", "torch")])
+                                               ("qwen3-next", "torch"), ("granite4", "auto"),
+                                               ("nemotron-h", "auto")])
 def test_greedy_matches_transformers(tiny_model_dir, arch, backend) -> None:
     """``torch``: the backend that has the runner zero new blocks (recurrent layers have
     none)."""
@@ -49,7 +51,9 @@ def test_greedy_matches_transformers(tiny_model_dir, arch, backend) -> None:
         assert got == expect[0, ids.shape[1]:].tolist()
 
 
-def test_batch_invariance_under_chunking_and_preemption(next_path) -> None:
+@pytest.mark.parametrize("arch", ["qwen3-next", "granite4", "nemotron-h"])
+def test_batch_invariance_under_chunking_and_preemption(tiny_model_dir, arch) -> None:
+    next_path = str(tiny_model_dir(arch))
     roomy = LLM(model=next_path, dtype="float32", kv_cache_memory="32MiB", max_model_len=256)
     prompts = _prompts(16, roomy.llm_engine.config.model.vocab_size, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

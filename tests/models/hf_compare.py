@@ -44,3 +44,25 @@ def check_against_hf(model, ref, ids: list[int]) -> None:
     assert PagedHarness(model, block_size=16).greedy("a", ids, NUM_NEW) == expected_tokens
     assert PagedHarness(model, block_size=32, seed=1).greedy("a", ids, NUM_NEW,
                                                             chunk=7) == expected_tokens
+
+
+def check_chunks_beside_a_decode(model, ref, ids: list[int], other: list[int],
+                                 chunk: int = 70) -> None:
+    """``ids`` prefilled in chunks of ``chunk`` tokens while ``other`` decodes in the same
+    batches (a recurrent state carried across chunks beside another's): both sequences' greedy
+    tokens identical to transformers'."""
+    expected, _ = hf_tokens_and_logits(ref, ids, NUM_NEW)
+    expected_other, _ = hf_tokens_and_logits(ref, other, NUM_NEW)
+    h = PagedHarness(model, block_size=16, seed=3)
+    out_other = [int(h.step([("b", other)])[0].argmax())]
+    logits = None
+    for i in range(0, len(ids), chunk):
+        logits = h.step([("a", ids[i:i + chunk]), ("b", [out_other[-1]])])
+        out_other.append(int(logits[1].argmax()))
+    out = [int(logits[0].argmax())]
+    while len(out) < NUM_NEW:
+        logits = h.step([("a", [out[-1]]), ("b", [out_other[-1]])])
+        out.append(int(logits[0].argmax()))
+        out_other.append(int(logits[1].argmax()))
+    assert out == expected
+    assert out_other[:NUM_NEW] == expected_other

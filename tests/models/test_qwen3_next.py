@@ -5,7 +5,13 @@ and chunked prefill (the recurrent state carried in its slot across chunks)."""
 from __future__ import annotations
 
 import pytest
-from hf_compare import NUM_NEW, PROMPT, check_against_hf, hf_tokens_and_logits, ours, reference
+from hf_compare import (
+    PROMPT,
+    check_against_hf,
+    check_chunks_beside_a_decode,
+    ours,
+    reference,
+)
 from paged_harness import PagedHarness
 from tiny_tokenizer import build_test_tokenizer
 
@@ -29,24 +35,7 @@ def test_chunks_across_several_gdn_chunks(tiny_model_dir, arch):
     """A 200-token prompt in chunks of 70 (past the 64-token scan chunk, unaligned), next to
     another sequence decoding in the same batches: tokens identical to transformers'."""
     path = tiny_model_dir(arch)
-    model, ref = ours(path), reference(path)
-    ids = _ids(200)
-    other = _ids(40)[::-1]
-    expected, _ = hf_tokens_and_logits(ref, ids, NUM_NEW)
-    expected_other, _ = hf_tokens_and_logits(ref, other, NUM_NEW)
-    h = PagedHarness(model, block_size=16, seed=3)
-    out_other = [int(h.step([("b", other)])[0].argmax())]
-    logits = None
-    for i in range(0, len(ids), 70):
-        logits = h.step([("a", ids[i:i + 70]), ("b", [out_other[-1]])])
-        out_other.append(int(logits[1].argmax()))
-    out = [int(logits[0].argmax())]
-    while len(out) < NUM_NEW:
-        logits = h.step([("a", [out[-1]]), ("b", [out_other[-1]])])
-        out.append(int(logits[0].argmax()))
-        out_other.append(int(logits[1].argmax()))
-    assert out == expected
-    assert out_other[:NUM_NEW] == expected_other
+    check_chunks_beside_a_decode(ours(path), reference(path), _ids(200), _ids(40)[::-1])
 
 
 def test_layers_and_state_shapes(tiny_model_dir):
