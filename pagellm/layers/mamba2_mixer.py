@@ -148,4 +148,5 @@ class Mamba2Layer(Mamba2Mixer):
             ssm_state = torch.zeros(1, s.num_heads, s.head_dim, s.d_state,
                                     dtype=torch.float32, device=hidden.device)
         return super().forward(hidden, conv_state, ssm_state, meta.query_start_loc_cpu,
-                               meta.state_slots, meta.has_initial_state)
+                               meta.state_slots, meta.has_initial_state,
+                               checkpoints=meta.checkpoints)

@@ -106,11 +106,12 @@ def test_speculative_decoding_is_refused(next_path) -> None:
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
-def _conversation(vocab: int, seed: int, turns: int) -> list[list[int]]:
+def _conversation(vocab: int, seed: int, turns: int, lo: int = 10, hi: int = 30
+                  ) -> list[list[int]]:
     """An agent's turns: each resends the whole history (filled in with the model's answers
-    as it goes) plus a new message of 10-30 tokens."""
+    as it goes) plus a new message of ``lo``-``hi`` tokens."""
     rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(10, 30))] for _ in range(turns)]
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(turns)]
 
 
 def _run_conversation(llm: LLM, messages: list[list[int]], salt: str | None = None
@@ -130,15 +131,19 @@ def _run_conversation(llm: LLM, messages: list[list[int]], salt: str | None = No
     return answers, cached
 
 
-def test_prefix_hits_resume_from_state_snapshots(next_path) -> None:
+@pytest.mark.parametrize("arch", ["qwen3-next", "granite4", "nemotron-h"])
+def test_prefix_hits_resume_from_state_snapshots(make_tiny_model, tmp_path, arch) -> None:
     """Multi-turn: every turn after the first resumes from a snapshot of the recurrent state
-    (and the KV blocks before it), and answers exactly as a cold engine."""
-    cold = LLM(model=next_path, dtype="float32", kv_cache_memory="32MiB", max_model_len=256)
-    warm = LLM(model=next_path, dtype="float32", kv_cache_memory="32MiB", max_model_len=256,
-               enable_prefix_caching=True, max_num_batched_tokens=48)
+    (and the KV blocks before it), and answers exactly as a cold engine. Turns of 150-250
+    tokens, past the Mamba-2 models' 512-token snapshot interval (their state is larger)."""
+    next_path = str(make_tiny_model(tmp_path / arch, arch, max_position_embeddings=2048))
+    kw = {"dtype": "float32", "kv_cache_memory": "32MiB", "max_model_len": 2048}
+    cold = LLM(model=next_path, **kw)
+    warm = LLM(model=next_path, **kw, enable_prefix_caching=True, max_num_batched_tokens=160)
     kv = warm.llm_engine.engine_core.scheduler.kv_cache_manager
     assert kv.snapshots is not None
-    messages = _conversation(warm.llm_engine.config.model.vocab_size, seed=6, turns=5)
+    messages = _conversation(warm.llm_engine.config.model.vocab_size, seed=6, turns=5,
+                             lo=150, hi=250)
     expected, none = _run_conversation(cold, messages)
     got, cached = _run_conversation(warm, messages)
     assert got == expected
